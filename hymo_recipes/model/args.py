@@ -1,0 +1,255 @@
+"""HyMo model arguments: one dataclass, every field defaulted (the defaults are the 750m model).
+
+The MoE fields are HyMo's own rather than TorchTitan's ``MoEArgs``: HyMo's router (softmax
+top-k with a selection-only bias moved by an EMA band rule, capacity-factor dropping) has
+knobs ``MoEArgs`` lacks, and ``MoEArgs`` carries choices HyMo does not implement (sigmoid
+scores, group-limited routing, TorchTitan's sign-rule bias update).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hymo_kernels.gdn import BACKENDS
+
+from .._titan import BaseModelArgs, HuggingFaceTokenizer, JobConfig, logger
+
+
+@dataclass
+class HymoModelArgs(BaseModelArgs):
+    # Shape
+    vocab_size: int = 64_256  # update_from_config replaces it with the tokenizer's size
+    dim: int = 896
+    n_layers: int = 32
+    norm_eps: float = 1e-6
+    max_seq_len: int = 4096  # length of the RoPE table; update_from_config sets training.seq_len
+    init_std: float = 0.02  # std of the embedding and of every input projection
+
+    # Layout: the layers listed here are MLA + MoE blocks, all others Gated DeltaNet blocks
+    mla_layers: tuple[int, ...] = (3, 7, 11, 15, 19, 23, 27, 31)
+    nope_layers: tuple[int, ...] = ()  # MLA layers without RoPE (the NoPE-hybrid ablation)
+
+    # Gated DeltaNet
+    gdn_n_heads: int = 40
+    gdn_head_dim: int = 32  # K: key / state rows per head
+    gdn_v_head_dim: int = 32  # V: value / state columns per head
+    gdn_conv_size: int = 4  # short causal depthwise conv on q, k, v
+    gdn_backend: str = "torch_chunk"  # "naive" | "torch_chunk" | "triton" (hymo_kernels.gdn)
+    gdn_A_init_range: tuple[float, float] = (0.0, 16.0)  # A ~ U(lo, hi), A_log = log A
+    gdn_dt_min: float = 1e-3  # dt ~ logU(dt_min, dt_max), dt_bias = softplus⁻¹(dt)
+    gdn_dt_max: float = 0.1
+    gdn_dt_init_floor: float = 1e-4
+    gdn_ffn_dim: int = 0  # hidden size of an optional dense SwiGLU on GDN blocks; 0 = none
+
+    # MLA
+    n_heads: int = 16
+    n_kv_heads: int = 4  # KV groups: query head h reads KV group h // (n_heads // n_kv_heads)
+    q_lora_rank: int = 224
+    kv_lora_rank: int = 128
+    qk_nope_head_dim: int = 96
+    qk_rope_head_dim: int = 32  # k_rope is one such slice per token, shared by all heads
+    v_head_dim: int = 128
+    rope_theta: float = 10_000.0
+
+    # MoE (on MLA blocks)
+    moe_num_experts: int = 16
+    moe_num_shared_experts: int = 1
+    moe_top_k: int = 2
+    moe_inter_dim: int = 2304
+    moe_capacity_factor: float = 1.5  # 0 = dropless
+    moe_bias_update_speed: float = 1e-3  # step of the selection bias per optimizer step
+    moe_load_ema_alpha: float = 0.02
+    moe_balance_band: float = 0.05  # no bias change while EMA load is within ±5% of the mean
+    moe_mixed_precision: bool = True  # expert matmuls in the expert weights' dtype
+    moe_use_grouped_mm: bool = True  # torch._grouped_mm on CUDA for bf16; per-expert loop otherwise
+
+    # MTP
+    mtp_depth: int = 2
+    mtp_loss_weights: tuple[float, ...] = (0.3, 0.1)
+    mtp_inter_dim: int = 2304
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        mla = set(self.mla_layers)
+        return tuple(i for i in range(self.n_layers) if i not in mla)
+
+    def validate(self) -> None:
+        """Raises a ValueError naming the first inconsistent field."""
+        for name in ("vocab_size", "dim", "n_layers", "max_seq_len", "gdn_n_heads", "gdn_head_dim",
+                     "gdn_v_head_dim", "gdn_conv_size", "n_heads", "n_kv_heads", "q_lora_rank",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "moe_num_experts", "moe_top_k", "moe_inter_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+        mla = tuple(self.mla_layers)
+        if any(not 0 <= i < self.n_layers for i in mla):
+            raise ValueError(f"mla_layers {mla} must lie in [0, n_layers = {self.n_layers})")
+        if list(mla) != sorted(set(mla)):
+            raise ValueError(f"mla_layers must be strictly increasing, got {mla}")
+        if not set(self.nope_layers) <= set(mla):
+            raise ValueError(f"nope_layers {tuple(self.nope_layers)} must be a subset of mla_layers {mla}")
+
+        if self.gdn_backend not in BACKENDS:
+            raise ValueError(f"unknown gdn_backend {self.gdn_backend!r}; choose one of {sorted(BACKENDS)}")
+        lo, hi = self.gdn_A_init_range
+        if not 0 <= lo < hi:
+            raise ValueError(f"gdn_A_init_range must satisfy 0 <= lo < hi, got {self.gdn_A_init_range}")
+        if not 0 < self.gdn_dt_min <= self.gdn_dt_max:
+            raise ValueError(f"need 0 < gdn_dt_min <= gdn_dt_max, got {self.gdn_dt_min}, {self.gdn_dt_max}")
+        if self.gdn_dt_init_floor < 0 or self.gdn_ffn_dim < 0:
+            raise ValueError("gdn_dt_init_floor and gdn_ffn_dim must be >= 0")
+
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}): "
+                "each KV group serves the same number of query heads"
+            )
+        if self.qk_rope_head_dim % 2 != 0:
+            raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+
+        if self.moe_top_k > self.moe_num_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds moe_num_experts ({self.moe_num_experts})")
+        if self.moe_num_shared_experts < 0:
+            raise ValueError(f"moe_num_shared_experts must be >= 0, got {self.moe_num_shared_experts}")
+        if self.moe_capacity_factor < 0:
+            raise ValueError(f"moe_capacity_factor must be >= 0 (0 = dropless), got {self.moe_capacity_factor}")
+        if self.moe_bias_update_speed < 0:
+            raise ValueError(f"moe_bias_update_speed must be >= 0, got {self.moe_bias_update_speed}")
+        if not 0 < self.moe_load_ema_alpha <= 1:
+            raise ValueError(f"moe_load_ema_alpha must lie in (0, 1], got {self.moe_load_ema_alpha}")
+        if not 0 <= self.moe_balance_band < 1:
+            raise ValueError(f"moe_balance_band must lie in [0, 1), got {self.moe_balance_band}")
+
+        if self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth must be >= 0, got {self.mtp_depth}")
+        if len(self.mtp_loss_weights) != self.mtp_depth:
+            raise ValueError(
+                f"mtp_loss_weights has {len(self.mtp_loss_weights)} entries for mtp_depth = {self.mtp_depth}"
+            )
+        if any(w < 0 for w in self.mtp_loss_weights):
+            raise ValueError(f"mtp_loss_weights must be >= 0, got {tuple(self.mtp_loss_weights)}")
+        if self.mtp_depth > 0 and self.mtp_inter_dim <= 0:
+            raise ValueError(f"mtp_inter_dim must be positive, got {self.mtp_inter_dim}")
+
+    def update_from_config(self, job_config: JobConfig, tokenizer=None, **kwargs) -> None:
+        """Takes seq_len from [training] and vocab_size from the tokenizer.
+
+        TorchTitan 0.2.2 calls this without a tokenizer, so unless one is passed the tokenizer
+        is loaded from ``model.hf_assets_path`` the same way the trainer loads it.
+        """
+        seq_len = job_config.training.seq_len
+        if seq_len > self.max_seq_len:
+            logger.info(f"HyMo: max_seq_len {self.max_seq_len} -> {seq_len} (training.seq_len)")
+        self.max_seq_len = seq_len
+
+        hymo = getattr(job_config, "hymo", None)  # present when [job] custom_config_module is set
+        if hymo is not None and hymo.gdn_backend != "flavor":
+            self.gdn_backend = hymo.gdn_backend
+
+        if job_config.parallelism.context_parallel_degree > 1:
+            raise NotImplementedError("context parallelism is not supported: the GDN recurrence spans the sequence")
+
+        if tokenizer is None:
+            path = job_config.model.hf_assets_path
+            if os.path.isdir(path):
+                tokenizer = HuggingFaceTokenizer(path)
+            else:
+                logger.warning(f"HyMo: no tokenizer directory {path!r}; keeping vocab_size {self.vocab_size}")
+        if tokenizer is not None:
+            self.vocab_size = tokenizer.get_vocab_size()
+        self.validate()
+
+    def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
+        """(stored parameters, training FLOPs per token) — TorchTitan's contract; see counts.py."""
+        from .counts import count_params, training_flops_per_token
+
+        counts = count_params(model, self)
+        logger.info(
+            f"HyMo parameters: stored {counts.stored:,}, active per token {counts.active:,} "
+            f"(embedding {counts.embedding:,}, routed experts {counts.routed_experts:,}, MTP {counts.mtp:,})"
+        )
+        return counts.stored, training_flops_per_token(self, counts, seq_len)
+
+
+def _every(n_layers: int, k: int) -> tuple[int, ...]:
+    """Every k-th layer, the last of each group of k (3:1 GDN:MLA for k = 4)."""
+    return tuple(range(k - 1, n_layers, k))
+
+
+hymo_flavors: dict[str, HymoModelArgs] = {
+    # Every block type, MoE and MTP, small enough to train on a CPU in seconds.
+    "debugmodel": HymoModelArgs(
+        vocab_size=2048,
+        dim=256,
+        n_layers=4,
+        max_seq_len=512,
+        mla_layers=_every(4, 4),
+        gdn_n_heads=8,
+        gdn_head_dim=32,
+        gdn_v_head_dim=32,
+        gdn_backend="torch_chunk",
+        n_heads=4,
+        n_kv_heads=2,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=48,
+        moe_num_experts=8,
+        moe_num_shared_experts=1,
+        moe_top_k=2,
+        moe_inter_dim=256,
+        mtp_depth=2,
+        mtp_loss_weights=(0.3, 0.1),
+        mtp_inter_dim=256,
+    ),
+    # The 750m structure scaled down (~150M stored with the 64K vocabulary), for one GPU.
+    "small": HymoModelArgs(
+        vocab_size=64_256,
+        dim=512,
+        n_layers=16,
+        mla_layers=_every(16, 4),
+        gdn_n_heads=16,
+        gdn_backend="triton",
+        n_heads=8,
+        n_kv_heads=2,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        moe_inter_dim=896,
+        mtp_inter_dim=896,
+    ),
+    # DESIGN.md §2: the seed's numbers.
+    "750m": HymoModelArgs(
+        vocab_size=64_256,
+        dim=896,
+        n_layers=32,
+        mla_layers=_every(32, 4),
+        gdn_n_heads=40,
+        gdn_head_dim=32,
+        gdn_v_head_dim=32,
+        gdn_backend="triton",
+        n_heads=16,
+        n_kv_heads=4,
+        q_lora_rank=224,
+        kv_lora_rank=128,
+        qk_nope_head_dim=96,
+        qk_rope_head_dim=32,
+        v_head_dim=128,
+        moe_num_experts=16,
+        moe_num_shared_experts=1,
+        moe_top_k=2,
+        moe_inter_dim=2304,
+        moe_capacity_factor=1.5,
+        mtp_depth=2,
+        mtp_loss_weights=(0.3, 0.1),
+        mtp_inter_dim=2304,
+    ),
+}

@@ -1,0 +1,148 @@
+"""Gated DeltaNet token mixer (Yang, Kautz, Hatamizadeh, arXiv 2412.06464; DESIGN.md §2).
+
+Per head, state S ∈ R^{K×V}: S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ, o_t = S_tᵀ q_t / √K,
+with log α_t = g_t = −exp(A_log) · softplus(a_t + dt_bias) and β_t = sigmoid(b_t). q, k, v go
+through a short causal depthwise conv and SiLU; q and k are L2-normalised. The output is
+o_proj(RMSNorm(o) ⊙ SiLU(g_proj(x))). There is no D skip term (GDN has none). The recurrence
+itself is one call into ``hymo_kernels.gdn`` with the configured backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hymo_kernels.gdn import get_backend
+
+from .._titan import trunc_normal_
+from .args import HymoModelArgs
+
+
+def short_causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv over time, not reaching across document starts.
+
+    Args:
+        x: [B, T, C] input.
+        weight: [C, 1, W] depthwise kernel; weight[..., W-1] multiplies the current token
+            (the layout of a left-padded nn.Conv1d and of fla's ShortConvolution).
+        positions: [T] position of each token inside its document for packed batches
+            (tap j is used only where positions >= j); None when every row is one sequence.
+
+    Returns:
+        [B, T, C] in x's dtype.
+    """
+    T, W = x.shape[1], weight.shape[-1]
+    w = weight[:, 0, :].to(x.dtype)  # [C, W]
+    out = x * w[:, W - 1]
+    for j in range(1, min(W, T + 1)):
+        # x[t - j], zero before the start of the row
+        shifted = F.pad(x[:, : T - j], (0, 0, j, 0))
+        if positions is not None:
+            shifted = shifted * (positions >= j).to(x.dtype)[None, :, None]
+        out = out + shifted * w[:, W - 1 - j]
+    return out
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps) over the last dim, computed in fp32 (fla's l2norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) ⊙ SiLU(gate) per head (fla's FusedRMSNormGated), math in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class GatedDeltaNet(nn.Module):
+    """The token mixer of a GDN block (``layers.<i>.attn``).
+
+    Args:
+        args: model arguments (``gdn_*`` fields, dim, norm_eps, init_std).
+    """
+
+    def __init__(self, args: HymoModelArgs):
+        super().__init__()
+        self.n_heads = args.gdn_n_heads
+        self.head_dim = args.gdn_head_dim
+        self.v_head_dim = args.gdn_v_head_dim
+        key_dim = self.n_heads * self.head_dim
+        value_dim = self.n_heads * self.v_head_dim
+        self.q_proj = nn.Linear(args.dim, key_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, key_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, value_dim, bias=False)
+        self.a_proj = nn.Linear(args.dim, self.n_heads, bias=False)  # decay input
+        self.b_proj = nn.Linear(args.dim, self.n_heads, bias=False)  # β input
+        self.g_proj = nn.Linear(args.dim, value_dim, bias=False)  # output gate
+        self.o_proj = nn.Linear(value_dim, args.dim, bias=False)
+        # nn.Conv1d only as a parameter holder (weight [C, 1, W]); the conv itself is
+        # short_causal_conv, which also handles document boundaries.
+        self.q_conv1d = nn.Conv1d(key_dim, key_dim, args.gdn_conv_size, groups=key_dim, bias=False)
+        self.k_conv1d = nn.Conv1d(key_dim, key_dim, args.gdn_conv_size, groups=key_dim, bias=False)
+        self.v_conv1d = nn.Conv1d(value_dim, value_dim, args.gdn_conv_size, groups=value_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.o_norm = GatedRMSNorm(self.v_head_dim, eps=args.norm_eps)
+
+        self.backend = args.gdn_backend
+        # Resolved now so that a backend that cannot load fails at construction, not mid-run.
+        self._rule = get_backend(args.gdn_backend)
+        self.A_init_range = args.gdn_A_init_range
+        self.dt_init = (args.gdn_dt_min, args.gdn_dt_max, args.gdn_dt_init_floor)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; cu_seqlens [N+1] and positions [T] for packed rows (B = 1)."""
+        B, T, _ = x.shape
+        q = F.silu(short_causal_conv(self.q_proj(x), self.q_conv1d.weight, positions))
+        k = F.silu(short_causal_conv(self.k_proj(x), self.k_conv1d.weight, positions))
+        v = F.silu(short_causal_conv(self.v_proj(x), self.v_conv1d.weight, positions))
+        # -1 instead of n_heads: tensor parallelism may shard the heads
+        q = l2_normalize(q.view(B, T, -1, self.head_dim))
+        k = l2_normalize(k.view(B, T, -1, self.head_dim))
+        v = v.view(B, T, -1, self.v_head_dim)
+        beta = torch.sigmoid(self.b_proj(x).float()).to(q.dtype)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+
+        o, _ = self._rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        gate = self.g_proj(x).view(B, T, -1, self.v_head_dim)
+        o = self.o_norm(o, gate).reshape(B, T, -1)
+        return self.o_proj(o)
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
+            trunc_normal_(linear.weight, mean=0.0, std=init_std)
+        trunc_normal_(self.o_proj.weight, mean=0.0, std=out_std)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.reset_parameters()  # U(±1/√W), the nn.Conv1d default that fla keeps
+        self.o_norm.reset_parameters()
+        # fla's init, moved out of __init__ so that meta-device construction works.
+        # A ~ U(lo, hi); the clamp only keeps log A finite for a draw of exactly 0.
+        lo, hi = self.A_init_range
+        A = torch.empty_like(self.A_log, dtype=torch.float32).uniform_(lo, hi).clamp_(min=1e-4)
+        self.A_log.copy_(A.log())
+        # dt ~ logU(dt_min, dt_max); dt_bias = softplus⁻¹(dt) = dt + log(1 − e^{−dt})
+        dt_min, dt_max, dt_floor = self.dt_init
+        u = torch.rand_like(self.dt_bias, dtype=torch.float32)
+        dt = (u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).exp().clamp(min=dt_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))

@@ -1,0 +1,117 @@
+"""Multi-head Latent Attention with grouped KV (DeepSeek-V2/V3 MLA; DESIGN.md §2).
+
+q = wq_b(RMSNorm(wq_a(x))); [c_kv, k_rope] = wkv_a(x); [k_nope, v] = wkv_b(RMSNorm(c_kv)) per
+KV group. RoPE rotates only the qk_rope_head_dim slices (k_rope is one slice per token, shared
+by every head); causal SDPA with GQA (query head h reads KV group h // (n_heads / n_kv_heads)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._titan import trunc_normal_
+from .args import HymoModelArgs
+
+
+def precompute_rope_cache(rope_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """[max_seq_len, rope_dim // 2, 2] table of (cos, sin) of position · theta^(−2i / rope_dim)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Rotates consecutive pairs of the last dim of x [B, T, heads, D] by their position's angles.
+
+    positions [T] gives each token's position (restarting per packed document); None = 0..T-1.
+    """
+    T = x.shape[1]
+    cs = rope_cache[:T] if positions is None else rope_cache[positions]  # [T, D/2, 2]
+    cos, sin = cs[None, :, None, :, 0], cs[None, :, None, :, 1]
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool mask, True where query i may attend key j: j ≤ i inside i's document.
+
+    Token i's document started positions[i] tokens ago, so its keys are i − positions[i] .. i.
+    """
+    idx = torch.arange(positions.shape[0], device=positions.device)
+    j, i = idx[None, :], idx[:, None]
+    return (j <= i) & (j >= i - positions[:, None])
+
+
+class MLA(nn.Module):
+    """The token mixer of an MLA block (``layers.<i>.attn``).
+
+    Args:
+        args: model arguments (MLA fields, dim, norm_eps).
+        use_rope: rotate the rope slices; False for the NoPE-hybrid ablation (the slices stay,
+            unrotated, so both variants have the same parameters).
+    """
+
+    def __init__(self, args: HymoModelArgs, use_rope: bool = True):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+        self.v_head_dim = args.v_head_dim
+        self.use_rope = use_rope
+        self.softmax_scale = self.qk_head_dim**-0.5
+
+        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(
+            self.kv_lora_rank, self.n_kv_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(self.n_heads * self.v_head_dim, args.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; positions [T] marks packed documents (B = 1)."""
+        B, T, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, -1, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(c_kv)).view(B, T, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rope = k_rope[:, :, None, :]  # [B, T, 1, rope]: one slice shared by all heads
+
+        if self.use_rope:
+            q_rope = apply_rope(q_rope, rope_cache, positions)
+            k_rope = apply_rope(k_rope, rope_cache, positions)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+
+        # [B, heads, T, d]; SDPA's enable_gqa maps query head h to KV head h // (H / G)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if positions is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True)
+        else:
+            mask = document_causal_mask(positions)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(B, T, -1))
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for linear in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
+            trunc_normal_(linear.weight, mean=0.0, std=init_std)
+        trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+        self.q_norm.reset_parameters()
+        self.kv_norm.reset_parameters()

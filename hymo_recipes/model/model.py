@@ -1,0 +1,175 @@
+"""The HyMo model: Gated DeltaNet and MLA+MoE blocks, tied embedding, MTP heads.
+
+Single-device code; parallelism is applied from outside (TorchTitan iterates ``layers``).
+Shapes: B batch, T tokens, D = dim, V = vocab_size. A packed batch is B = 1 with
+``cu_seqlens`` [N + 1] marking N documents: GDN state and conv, attention and RoPE positions
+all restart at every document start, so it computes what N separate forwards would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._titan import ModelProtocol
+from .args import HymoModelArgs
+from .gdn import GatedDeltaNet
+from .mla import MLA, precompute_rope_cache
+from .moe import FeedForward, MoE
+from .mtp import MTPHead
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """[T] index of each token inside its document, from cumulative lengths [N + 1]."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D tensor [N + 1] of cumulative lengths")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu_seqlens.tolist()}")
+    lengths = cu_seqlens.diff()
+    if bool((lengths < 0).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    idx = torch.arange(T, device=cu_seqlens.device)
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)
+    return idx - starts
+
+
+def _out_std(init_std: float, depth: int) -> float:
+    """Depth-scaled std of projections that write into the residual stream (TorchTitan's)."""
+    return init_std / math.sqrt(2 * (depth + 1))
+
+
+class GDNBlock(nn.Module):
+    """x + GDN(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) if the flavor gives GDN blocks an FFN."""
+
+    moe_enabled = False
+
+    def __init__(self, layer_id: int, args: HymoModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.init_std = args.init_std
+        self.attn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attn = GatedDeltaNet(args)
+        if args.gdn_ffn_dim > 0:
+            self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+            self.feed_forward = FeedForward(args.dim, args.gdn_ffn_dim)
+        else:
+            self.ffn_norm = None
+            self.feed_forward = None
+
+    def forward(self, x, rope_cache, cu_seqlens=None, positions=None):
+        x = x + self.attn(self.attn_norm(x), cu_seqlens, positions)
+        if self.feed_forward is not None:
+            x = x + self.feed_forward(self.ffn_norm(x))
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        out_std = _out_std(self.init_std, self.layer_id)
+        self.attn_norm.reset_parameters()
+        self.attn.init_weights(self.init_std, out_std)
+        if self.feed_forward is not None:
+            self.ffn_norm.reset_parameters()
+            self.feed_forward.init_weights(self.init_std, out_std)
+
+
+class MLABlock(nn.Module):
+    """x + MLA(RMSNorm(x)), then x + MoE(RMSNorm(x))."""
+
+    moe_enabled = True
+
+    def __init__(self, layer_id: int, args: HymoModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.init_std = args.init_std
+        self.attn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attn = MLA(args, use_rope=layer_id not in args.nope_layers)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(args)
+
+    def forward(self, x, rope_cache, cu_seqlens=None, positions=None):
+        x = x + self.attn(self.attn_norm(x), rope_cache, positions)
+        return x + self.moe(self.ffn_norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        out_std = _out_std(self.init_std, self.layer_id)
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.init_weights(self.init_std, out_std)
+        self.moe.init_weights(self.init_std, out_std, buffer_device)
+
+
+class HymoModel(ModelProtocol):
+    """Hybrid GDN / MLA-MoE language model.
+
+    ``forward(tokens)`` returns ``(logits, mtp_logits)``: logits [B, T, V] and a list of
+    mtp_depth tensors [B, T, V] (empty if mtp_depth = 0), see mtp.py for their alignment.
+    The output head is the embedding matrix (tied); there is no separate output weight.
+
+    Args:
+        model_args: a validated HymoModelArgs.
+    """
+
+    def __init__(self, model_args: HymoModelArgs):
+        super().__init__(model_args)
+        self.model_args = model_args
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+        self.layers = nn.ModuleDict()
+        for i in range(model_args.n_layers):
+            block = MLABlock if i in model_args.mla_layers else GDNBlock
+            self.layers[str(i)] = block(i, model_args)
+        self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.mtp_heads = nn.ModuleDict(
+            {str(k): MTPHead(model_args.dim, model_args.mtp_inter_dim, model_args.norm_eps)
+             for k in range(1, model_args.mtp_depth + 1)}
+        )
+
+    def _rope_cache(self) -> torch.Tensor:
+        a = self.model_args
+        return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Sets every parameter and buffer; the model may have been built on the meta device."""
+        a = self.model_args
+        buffer_device = buffer_device if buffer_device is not None else self.rope_cache.device
+        with torch.device(buffer_device):
+            self.rope_cache = self._rope_cache()
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=a.init_std)
+        for layer in self.layers.values():
+            layer.init_weights(buffer_device=buffer_device)
+        self.norm.reset_parameters()
+        for k, head in self.mtp_heads.items():
+            head.init_weights(a.init_std, _out_std(a.init_std, a.n_layers - 1 + int(k)))
+
+    def forward(
+        self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """
+        Args:
+            tokens: [B, T] token ids.
+            cu_seqlens: [N + 1] cumulative document lengths of a packed batch (B must be 1).
+
+        Returns:
+            logits [B, T, V] and the list of MTP logits [B, T, V].
+        """
+        B, T = tokens.shape
+        if T > self.model_args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.model_args.max_seq_len}")
+        positions = None
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"with cu_seqlens the batch must be packed into B = 1, got B = {B}")
+            positions = positions_in_documents(cu_seqlens, T)
+
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache, cu_seqlens, positions)
+        head = self.tok_embeddings.weight
+        logits = F.linear(self.norm(h), head)
+        mtp_logits = [F.linear(mtp(h), head) for mtp in self.mtp_heads.values()]
+        return logits, mtp_logits

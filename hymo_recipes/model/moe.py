@@ -1,0 +1,231 @@
+"""DeepSeekMoE feed-forward for MLA blocks (DESIGN.md §2).
+
+Routed experts (softmax top-k from an FP32 router) plus always-on shared experts. Load is
+balanced without an auxiliary loss (DeepSeek-V3): a bias buffer is added to the scores for
+expert *selection* only, while gate weights come from the unbiased scores; the trainer calls
+``update_expert_bias`` after each optimizer step with the step's per-expert loads. A capacity
+factor caps every expert at ceil(cf · tokens · top_k / n_experts) assignments (0 = dropless).
+
+Parameter and buffer names follow TorchTitan's MoE (``router.gate``, ``experts.w1/w2/w3``,
+``shared_experts``, ``expert_bias``, ``tokens_per_expert``), and the experts module takes
+(tokens sorted by expert, tokens per expert), so TorchTitan's expert-parallel wrapper fits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._titan import indices_padding_wrapper, run_experts_grouped_mm, trunc_normal_
+from .args import HymoModelArgs
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(SiLU(w1 x) ⊙ w3 x). Shared experts and the optional GDN-block FFN."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        # TorchTitan's split: w1 at the input std, w2 and w3 at the depth-scaled std
+        trunc_normal_(self.w1.weight, mean=0.0, std=init_std)
+        for linear in (self.w2, self.w3):
+            trunc_normal_(linear.weight, mean=0.0, std=out_std)
+
+
+class Router(nn.Module):
+    """FP32 softmax router: top-k chosen from score + bias, weighted by the unbiased score."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (gate weights [N, k] fp32, expert indices [N, k])."""
+        # fp32 logits and softmax: in bf16 a near-uniform 16-way softmax rounds to ties
+        scores = F.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1)
+        _, idx = torch.topk(scores + expert_bias, k=self.top_k, dim=-1)
+        return scores.gather(-1, idx), idx
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLUs stored as 3-D weights [E, out, in].
+
+    Args:
+        dim, hidden_dim, num_experts: shapes.
+        use_grouped_mm: one torch._grouped_mm per projection when on CUDA in bf16
+            (TorchTitan's kernel, which needs SM90); otherwise a loop over experts.
+        mixed_precision: matmuls in the expert weights' dtype (DESIGN.md ``moe_mixed_precision``);
+            False runs them in the wider of the activation and weight dtypes.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool, mixed_precision: bool):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.use_grouped_mm = use_grouped_mm
+        self.mixed_precision = mixed_precision
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [M, dim] sorted by expert, num_tokens_per_expert [E] summing to M -> [M, dim] in x's dtype."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
+        if self.use_grouped_mm and x.is_cuda and dtype == torch.bfloat16:
+            out = indices_padding_wrapper(run_experts_grouped_mm)(w1, w2, w3, x, num_tokens_per_expert)
+            return out.to(x.dtype)
+        return self._loop(x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert).to(x.dtype)
+
+    @staticmethod
+    def _loop(x, w1, w2, w3, num_tokens_per_expert):
+        # one host sync for the split sizes; each expert is then three dense matmuls
+        outs = []
+        for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
+            h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
+            outs.append(h @ w2[e].transpose(0, 1))
+        return torch.cat(outs)
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        trunc_normal_(self.w1, mean=0.0, std=init_std)
+        trunc_normal_(self.w2, mean=0.0, std=out_std)
+        trunc_normal_(self.w3, mean=0.0, std=out_std)
+
+
+class MoE(nn.Module):
+    """Routed + shared SwiGLU experts with aux-loss-free balancing and a capacity factor.
+
+    Buffers: ``expert_bias`` and ``load_ema`` [E] are persistent (exact resume needs them);
+    ``tokens_per_expert`` and ``dropped_tokens`` [E] (float32) accumulate over the forwards of
+    one optimizer step, for the bias update and for metrics, and are reset by the trainer.
+
+    Args:
+        args: model arguments (``moe_*`` fields, dim).
+    """
+
+    def __init__(self, args: HymoModelArgs):
+        super().__init__()
+        E = args.moe_num_experts
+        self.num_experts = E
+        self.top_k = args.moe_top_k
+        self.capacity_factor = args.moe_capacity_factor
+        self.bias_update_speed = args.moe_bias_update_speed
+        self.load_ema_alpha = args.moe_load_ema_alpha
+        self.balance_band = args.moe_balance_band
+
+        self.router = Router(args.dim, E, args.moe_top_k)
+        self.experts = GroupedExperts(
+            args.dim, args.moe_inter_dim, E, args.moe_use_grouped_mm, args.moe_mixed_precision
+        )
+        self.shared_experts = (
+            FeedForward(args.dim, args.moe_inter_dim * args.moe_num_shared_experts)
+            if args.moe_num_shared_experts > 0
+            else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
+        self.register_buffer("load_ema", torch.zeros(E, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        self.register_buffer("dropped_tokens", torch.zeros(E, dtype=torch.float32), persistent=False)
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Assignments one expert may take from num_tokens tokens; None when dropless."""
+        if self.capacity_factor == 0:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]."""
+        B, T, D = x.shape
+        N, k, E = B * T, self.top_k, self.num_experts
+        xf = x.reshape(N, D)
+        weights, idx = self.router(xf, self.expert_bias)  # [N, k] fp32, [N, k]
+
+        # Sort the N·k assignments by expert; within an expert, by position first and row
+        # second, so a token is dropped only because of tokens at earlier (or equal)
+        # positions: capacity never lets a later token change an earlier output.
+        flat = idx.reshape(-1)
+        token = torch.arange(N * k, device=x.device) // k
+        priority = (token % T) * B + token // T
+        order = torch.argsort(flat * N + priority)
+        counts = torch.bincount(flat, minlength=E)  # bincount: int64 histc has no CPU kernel
+
+        capacity = self.capacity(N)
+        if capacity is None:
+            dropped = torch.zeros_like(counts)
+        else:
+            starts = counts.cumsum(0) - counts
+            rank = torch.arange(N * k, device=x.device) - starts[flat[order]]
+            kept = torch.empty_like(flat, dtype=torch.bool)
+            kept[order] = rank < capacity
+            weights = weights * kept.view(N, k)  # a dropped assignment contributes nothing
+            dropped = (counts - capacity).clamp(min=0)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts.float())
+            self.dropped_tokens.add_(dropped.float())
+
+        # Dropped assignments still flow through their expert (with weight 0): fixed shapes
+        # keep the routing free of host syncs and friendly to torch.compile.
+        routed = self.experts(xf[token[order]], counts)  # [N·k, D], sorted by expert
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(N * k, device=x.device)
+        routed = routed[unsort].view(N, k, D)
+        out = torch.bmm(weights[:, None, :], routed.float()).squeeze(1).to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(xf)
+        return out.view(B, T, D)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """The aux-loss-free balancing step, once per optimizer step.
+
+        The EMA (α = moe_load_ema_alpha) tracks each expert's share of the step's assignments;
+        experts below (1 − band) of the mean EMA get +speed, those above (1 + band) get −speed.
+        The EMA starts at zero and is compared with its own mean, so the first steps need no
+        warm-up (a zero start only scales every entry alike). Loads are shares, so counting a
+        step twice (activation-checkpoint recomputation) changes nothing.
+
+        Args:
+            tokens_per_expert: [E] assignments per expert in the step, summed over
+                data-parallel ranks by the caller.
+        """
+        total = tokens_per_expert.sum()
+        if total <= 0:
+            return
+        share = tokens_per_expert.to(self.load_ema) / total
+        self.load_ema.mul_(1 - self.load_ema_alpha).add_(share, alpha=self.load_ema_alpha)
+        mean = self.load_ema.mean()
+        under = (self.load_ema < (1 - self.balance_band) * mean).float()
+        over = (self.load_ema > (1 + self.balance_band) * mean).float()
+        self.expert_bias.add_((under - over) * self.bias_update_speed)
+
+    @torch.no_grad()
+    def reset_load_counters(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.dropped_tokens.zero_()
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float, out_std: float, buffer_device: torch.device | None = None) -> None:
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std, out_std)
+        device = buffer_device if buffer_device is not None else self.expert_bias.device
+        with torch.device(device):
+            for name in ("expert_bias", "load_ema", "tokens_per_expert", "dropped_tokens"):
+                setattr(self, name, torch.zeros(self.num_experts, dtype=torch.float32))

@@ -1,0 +1,201 @@
+"""DeepSeekMoE: routing, capacity, dropless mode, bias update, precision."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hymo_recipes.model.moe import MoE, GroupedExperts
+
+
+def make_moe(tiny_args, seed=0, **overrides) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(tiny_args(**overrides))
+    moe.init_weights(0.2, 0.2)  # large weights: routing and expert outputs clearly input-dependent
+    return moe
+
+
+def swiglu(x, w1, w2, w3):
+    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def reference_moe(moe: MoE, x: torch.Tensor, capacity: int | None):
+    """Token-by-token MoE: returns (output, assignments per expert, drops per expert)."""
+    B, T, D = x.shape
+    E, k = moe.num_experts, moe.top_k
+    out = torch.zeros(B, T, D)
+    load, dropped = [0] * E, [0] * E
+    # capacity is granted in order of position, then batch row
+    for t in range(T):
+        for b in range(B):
+            xt = x[b, t]
+            scores = torch.softmax(xt.double() @ moe.router.gate.weight.double().T, -1)
+            chosen = torch.topk(scores + moe.expert_bias.double(), k).indices.tolist()
+            y = torch.zeros(D, dtype=torch.float64)
+            for e in chosen:
+                load[e] += 1
+                if capacity is not None and load[e] > capacity:
+                    dropped[e] += 1
+                    continue
+                ex = moe.experts
+                y += scores[e] * swiglu(xt.double(), ex.w1[e].double(), ex.w2[e].double(), ex.w3[e].double())
+            if moe.shared_experts is not None:
+                s = moe.shared_experts
+                y += swiglu(xt.double(), s.w1.weight.double(), s.w2.weight.double(), s.w3.weight.double())
+            out[b, t] = y.float()
+    return out, load, dropped
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5, 1.0, 1.5])
+def test_moe_matches_token_by_token_reference(tiny_args, capacity_factor):
+    moe = make_moe(tiny_args, moe_capacity_factor=capacity_factor)
+    moe.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.1, 0.0]))  # skewed loads, so capacity bites
+    x = torch.randn(2, 23, 64)
+    capacity = None if capacity_factor == 0 else math.ceil(capacity_factor * 46 * 2 / 4)
+    assert moe.capacity(46) == capacity
+    ref, load, dropped = reference_moe(moe, x, capacity)
+    with torch.no_grad():
+        out = moe(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert moe.tokens_per_expert.tolist() == load
+    assert moe.dropped_tokens.tolist() == dropped
+    if capacity_factor in (0.5, 1.0):
+        assert sum(dropped) > 0, "case meant to exercise dropping dropped nothing"
+
+
+def test_selection_uses_bias_but_gate_weights_do_not(tiny_args):
+    moe = make_moe(tiny_args)
+    moe.expert_bias.copy_(torch.tensor([0.0, 5.0, 0.0, 5.0]))  # forces experts 1 and 3
+    x = torch.randn(30, 64)
+    weights, idx = moe.router(x, moe.expert_bias)
+    assert sorted(set(idx.flatten().tolist())) == [1, 3]
+    scores = torch.softmax(x @ moe.router.gate.weight.T, -1)
+    order = idx.argsort(-1)
+    torch.testing.assert_close(weights.gather(-1, order), scores[:, [1, 3]])
+    assert (weights.sum(-1) < 1).all()  # unbiased softmax entries, not renormalised
+
+
+def test_capacity_drops_later_positions_first_and_counts_them(tiny_args):
+    moe = make_moe(tiny_args, moe_capacity_factor=1.0)
+    moe.expert_bias.copy_(torch.tensor([5.0, 5.0, 0.0, 0.0]))  # every token -> experts 0 and 1
+    B, T = 2, 10
+    x = torch.randn(B, T, 64)
+    with torch.no_grad():
+        out = moe(x)
+    # capacity = ceil(1.0 · 20 tokens · 2 / 4) = 10 per expert; 20 assignments each -> 10 dropped
+    assert moe.tokens_per_expert.tolist() == [20, 20, 0, 0]
+    assert moe.dropped_tokens.tolist() == [10, 10, 0, 0]
+    # positions 0..4 of both rows are served (10 assignments); positions 5..9 get the shared expert only
+    shared = moe.shared_experts(x)
+    torch.testing.assert_close(out[:, 5:], shared[:, 5:])
+    assert (out[:, :5] - shared[:, :5]).abs().amax(-1).min() > 1e-3
+
+
+def test_dropless_mode_never_drops(tiny_args):
+    moe = make_moe(tiny_args, moe_capacity_factor=0.0)
+    moe.expert_bias.copy_(torch.tensor([5.0, 5.0, 0.0, 0.0]))
+    x = torch.randn(2, 10, 64)
+    with torch.no_grad():
+        out = moe(x)
+    assert moe.capacity(20) is None
+    assert moe.dropped_tokens.sum() == 0 and moe.tokens_per_expert.tolist() == [20, 20, 0, 0]
+    assert (out[:, 5:] - moe.shared_experts(x)[:, 5:]).abs().amax(-1).min() > 1e-3
+
+
+def test_bias_update_direction_band_and_ema(tiny_args):
+    moe = make_moe(tiny_args)  # α = 0.02, band 5%, step 0.001
+    moe.update_expert_bias(torch.tensor([40.0, 10.0, 26.0, 24.0]))
+    # shares .40 .10 .26 .24 -> EMA = 0.02·share = .008 .002 .0052 .0048, mean .005,
+    # band (.00475, .00525): expert 0 over, 1 under, 2 and 3 inside
+    torch.testing.assert_close(moe.load_ema, torch.tensor([0.008, 0.002, 0.0052, 0.0048]))
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.001, 0.001, 0.0, 0.0]))
+
+    moe.update_expert_bias(torch.tensor([25.0, 25.0, 25.0, 25.0]))
+    # EMA = .98·prev + .02·.25 = .01284 .00696 .010096 .009704, mean .01, band (.0095, .0105)
+    torch.testing.assert_close(moe.load_ema, torch.tensor([0.01284, 0.00696, 0.010096, 0.009704]))
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.002, 0.002, 0.0, 0.0]))
+
+    before = moe.expert_bias.clone(), moe.load_ema.clone()
+    moe.update_expert_bias(torch.zeros(4))  # an empty step changes nothing
+    assert torch.equal(moe.expert_bias, before[0]) and torch.equal(moe.load_ema, before[1])
+
+
+def test_bias_update_balances_a_skewed_router(tiny_args):
+    """Closed loop: repeated steps of the rule even out a router that favours expert 0."""
+    moe = make_moe(tiny_args, moe_bias_update_speed=0.01)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=gen) + 1.0  # a shared direction that the skew can use
+    with torch.no_grad():
+        moe.router.gate.weight[0] += 0.06
+
+    def shares():
+        _, idx = moe.router(x, moe.expert_bias)
+        counts = torch.bincount(idx.flatten(), minlength=4).float()
+        return counts, counts / counts.sum()
+
+    start = shares()[1][0].item()
+    for _ in range(300):
+        moe.update_expert_bias(shares()[0])
+    end = shares()[1]
+    assert start > 0.4, start  # of a possible 0.5: expert 0 is in almost every top-2
+    assert end.max() < 0.3 and end.min() > 0.2, end  # balanced is 0.25 each
+    assert moe.expert_bias[0] < 0
+
+
+def test_counters_accumulate_and_reset_and_buffers_checkpoint(tiny_args):
+    moe = make_moe(tiny_args)
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        moe(x)
+        moe(x)
+    assert moe.tokens_per_expert.sum() == 2 * 8 * 2
+    moe.reset_load_counters()
+    assert moe.tokens_per_expert.sum() == 0 and moe.dropped_tokens.sum() == 0
+    keys = set(moe.state_dict())
+    assert {"expert_bias", "load_ema"} <= keys
+    assert not {"tokens_per_expert", "dropped_tokens"} & keys
+
+
+def test_gradients_reach_router_and_experts_but_not_the_bias(tiny_args):
+    moe = make_moe(tiny_args)
+    moe(torch.randn(2, 9, 64)).pow(2).sum().backward()
+    for p in (moe.router.gate.weight, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.shared_experts.w1.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    assert not moe.expert_bias.requires_grad
+
+
+@pytest.mark.parametrize("mixed_precision", [True, False])
+def test_mixed_precision_flag_picks_the_matmul_dtype(mixed_precision):
+    torch.manual_seed(0)
+    ex = GroupedExperts(16, 24, 3, use_grouped_mm=False, mixed_precision=mixed_precision)
+    for w in (ex.w1, ex.w2, ex.w3):
+        torch.nn.init.normal_(w, std=0.3)
+    ex.to(torch.bfloat16)
+    x = torch.randn(10, 16)
+    counts = torch.tensor([4, 0, 6])
+    out = ex(x, counts)
+    assert out.dtype == torch.float32
+    dtype = torch.bfloat16 if mixed_precision else torch.float32
+    xs = x.to(dtype)
+    ref = torch.cat([swiglu(xs[:4], *(w[0].to(dtype) for w in (ex.w1, ex.w2, ex.w3))),
+                     swiglu(xs[4:], *(w[2].to(dtype) for w in (ex.w1, ex.w2, ex.w3)))]).float()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_matches_expert_loop_on_cuda():
+    torch.manual_seed(0)
+    kw = dict(dim=64, hidden_dim=96, num_experts=4, mixed_precision=True)
+    grouped = GroupedExperts(use_grouped_mm=True, **kw).cuda()
+    loop = GroupedExperts(use_grouped_mm=False, **kw).cuda()
+    for w in (grouped.w1, grouped.w2, grouped.w3):
+        torch.nn.init.normal_(w, std=0.1)
+    loop.load_state_dict(grouped.state_dict())
+    grouped.to(torch.bfloat16)
+    loop.to(torch.bfloat16)
+    x = torch.randn(50, 64, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([20, 0, 13, 17], device="cuda")
+    torch.testing.assert_close(grouped(x, counts), loop(x, counts), rtol=2e-2, atol=2e-2)
