@@ -1,0 +1,438 @@
+"""Triton kernels of the chunked Gated DeltaNet (forward and hand-written backward).
+
+Derivation, naming and measurements: README.md beside this file. Layout is fla's:
+q, k [B, T, H, K]; v, o [B, T, H, V]; g, beta [B, T, H]; states [*, H, K, V] in fp32.
+
+What this replaces: fla's pipeline (about 5 forward and 8 backward kernels) materialises the
+inverted 64×64 block, w, u, v_new and every chunk state in HBM, pads K = V = 32 to 64-wide
+tiles, and walks one (batch, head) per program through all chunks. Here:
+
+- Chunks of BT tokens are the unit of the sequential state pass. They are made of
+  *sub-chunks* of BC = 16 tokens, the unit of the WY algebra. A sub-chunk's (I + A)⁻¹ is a
+  product of log2(BC) factors (A is nilpotent). ``_wy_inverse`` computes it once per
+  sub-chunk at full occupancy and stores it beside the tokens (BC floats per token and head).
+- A chunk's effect on the state is affine, S_end = M S_start + N (M ∈ R^{K×K}, N ∈ R^{K×V}).
+  ``_fwd_prep`` computes [M | N] for every chunk in parallel by running the sub-chunk
+  recurrence on the augmented state [I | 0]. The only sequential loop left is
+  ``_state_pass``: one K×K @ K×V product per chunk. The backward does the same with [Mᵀ | R].
+- ``_fwd_out`` and ``_bwd_local`` recompute inside a chunk from q, k, v, g, beta, T and the
+  chunk's fp32 boundary state, so no w, u or v_new tensor reaches HBM.
+- Every tile is exactly K or V wide (no padding of 32 to 64). V can be split across
+  programs.
+
+Measured on an H200 (BENCHMARKS.md): 1.8× faster than fla-core 0.6 at (4, 4096, 40, 32, 32)
+fwd+bwd, well short of the 8× goal. Each sub-chunk is a chain of tiny dependent dots,
+reductions and layout conversions at 1-2 warps per program, so the kernels are
+latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_span(i_c, chunk_spans, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token of chunk i_c and the end (exclusive) of its sequence, both int32."""
+    if IS_VARLEN:
+        t0 = tl.load(chunk_spans + 2 * i_c)
+        eos = tl.load(chunk_spans + 2 * i_c + 1)
+    else:
+        nt = tl.cdiv(T, BT)
+        i_n = (i_c // nt).to(tl.int32)
+        t0 = i_n * T + (i_c % nt).to(tl.int32) * BT
+        eos = i_n * T + T
+    return t0, eos
+
+
+@triton.jit
+def _gram(kb, gb, bb, BC: tl.constexpr, PREC: tl.constexpr):
+    """γ (in-sub-chunk cumsum of g), Γ strictly lower, B = (K Kᵀ) ⊙ Γ and A = diag(β) B."""
+    o_r = tl.arange(0, BC)
+    gam = tl.cumsum(gb, axis=0)
+    lower = o_r[:, None] > o_r[None, :]
+    # exp only of differences that are ≤ 0: the masked ones could overflow to inf
+    decay = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    Bkk = tl.dot(kb, tl.trans(kb), input_precision=PREC) * decay
+    return gam, decay, Bkk, Bkk * bb[:, None]
+
+
+@triton.jit
+def _unit_lower_inverse(A, BC: tl.constexpr, LOG2_BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)⁻¹ for strictly lower triangular A: A^BC = 0, so the inverse is the product
+    (I − A)(I + A²)(I + A⁴)…(I + A^(BC/2)), log2(BC) − 1 squarings and as many products."""
+    o_r = tl.arange(0, BC)
+    Tm = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - A
+    P = A
+    for _ in tl.static_range(LOG2_BC - 1):
+        P = tl.dot(P, P, input_precision=PREC)
+        Tm = Tm + tl.dot(Tm, P, input_precision=PREC)
+    return Tm
+
+
+@triton.jit
+def _load_tinv(tinv, rows, m_r, i_h, H: tl.constexpr, BC: tl.constexpr):
+    """The sub-chunk's T = (I + A)⁻¹ saved by _wy_inverse_kernel (rows past the sequence end
+    read as 0 instead of identity rows: harmless, their X, Y, dv' rows are 0)."""
+    return _load_rows(tinv, rows, m_r, i_h, H, BC, tl.arange(0, BC), tl.arange(0, BC) < BC)
+
+
+@triton.jit
+def _load_rows(ptr, rows, m_r, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_c):
+    """[len(rows), len(cols)] tile of a [*, H, D] tensor as fp32 (zeros where masked)."""
+    offs = (rows.to(tl.int64) * H + i_h)[:, None] * D + cols[None, :]
+    return tl.load(ptr + offs, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_vec(ptr, rows, m_r, i_h, H: tl.constexpr):
+    return tl.load(ptr + rows.to(tl.int64) * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _l2norm_rows(x, NORM: tl.constexpr):
+    """Rows divided by sqrt(Σx² + 1e-6) when NORM (fla's l2norm); also returns the factor."""
+    if NORM:
+        r = 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
+        x = x * r[:, None]
+    else:
+        r = tl.sum(x * 0.0, 1) + 1.0
+    return x, r
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wy_inverse_kernel(
+    k, g, beta, tinv, chunk_spans, T,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """T = (I + A)⁻¹ of one sub-chunk, stored row by row beside its tokens ([B, T, H, BC]).
+    One sub-chunk per program: the only long dependency chain of the WY algebra runs at full
+    occupancy here, once per training step, instead of inside every other kernel."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_s = tl.program_id(2)
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    r0 = t0 + i_s * BC
+    if r0 >= eos:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    rows = r0 + o_r
+    m_r = rows < eos
+    kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
+    gb = _load_vec(g, rows, m_r, i_h, H)
+    bb = _load_vec(beta, rows, m_r, i_h, H)
+    gam, decay, Bkk, A = _gram(kb, gb, bb, BC, PREC)
+    Tm = _unit_lower_inverse(A, BC, LOG2_BC, PREC)
+    p = (rows.to(tl.int64) * H + i_h)[:, None] * BC + o_r[None, :]
+    tl.store(tinv + p, Tm, mask=m_r[:, None])
+
+
+@triton.jit
+def _fwd_prep_kernel(
+    k, v, g, beta, tinv, mn, chunk_spans, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BZ: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """[M | N] of one chunk (columns i_z·BZ …): the sub-chunk recurrence
+    Z ← e^{γ_L} Z + K̃ᵀ (T [0 | βV] − W Z) run from Z = [I | 0]."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_z = tl.program_id(2)
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    o_z = i_z * BZ + tl.arange(0, BZ)
+    m_z = o_z < K + V
+    m_zv = (o_z >= K) & m_z
+    m_k = o_k < K
+    Z = tl.where(o_k[:, None] == o_z[None, :], 1.0, 0.0)
+    n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
+    for s in range(n_sub):
+        rows = t0 + s * BC + o_r
+        m_r = rows < eos
+        kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        gb = _load_vec(g, rows, m_r, i_h, H)
+        bb = _load_vec(beta, rows, m_r, i_h, H)
+        yb = _load_rows(v, rows, m_r, i_h, H, V, o_z - K, m_zv) * bb[:, None]
+        Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+        gam = tl.cumsum(gb, axis=0)
+        gL = tl.sum(gb, 0)
+        W = tl.dot(Tm, kb * (bb * tl.exp(gam))[:, None], input_precision=PREC)
+        vn = tl.dot(Tm, yb, input_precision=PREC) - tl.dot(W, Z, input_precision=PREC)
+        Kt = kb * tl.exp(gL - gam)[:, None]
+        Z = tl.exp(gL) * Z + tl.dot(tl.trans(Kt), vn, input_precision=PREC)
+    p = mn + ((i_c * H + i_h) * K + o_k[:, None]) * (K + V) + o_z[None, :]
+    tl.store(p, Z, mask=m_z[None, :])
+
+
+@triton.jit
+def _state_pass_kernel(
+    ab, states, x0, xT, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    REVERSE: tl.constexpr, HAS_X0: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """The only sequential loop: X ← A_c X + B_c over the chunks of one sequence, with
+    ab[c] = [A_c | B_c] ([K, K + V]); stores X *before* each chunk into states[c].
+    Forward: [M | N], X = S, chunks in order. Backward: [Mᵀ | R], X = dS, reverse order."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    if IS_VARLEN:
+        c0 = tl.load(chunk_offsets + i_n)
+        c1 = tl.load(chunk_offsets + i_n + 1)
+    else:
+        nt = tl.cdiv(T, BT)
+        c0 = i_n * nt
+        c1 = c0 + nt
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_x = ((i_n.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    if HAS_X0:
+        X = tl.load(x0 + p_x, mask=m_v[None, :], other=0.0).to(tl.float32)
+    else:
+        X = tl.zeros([K, BV], dtype=tl.float32)
+    for j in range(c1 - c0):
+        if REVERSE:
+            c = c1 - 1 - j
+        else:
+            c = c0 + j
+        base = (c.to(tl.int64) * H + i_h) * K + o_k[:, None]
+        tl.store(states + base * V + o_v[None, :], X, mask=m_v[None, :])
+        Ac = tl.load(ab + base * (K + V) + o_k[None, :])
+        Bc = tl.load(ab + base * (K + V) + K + o_v[None, :], mask=m_v[None, :], other=0.0)
+        X = tl.dot(Ac, X, input_precision=PREC) + Bc
+    tl.store(xT + p_x, X, mask=m_v[None, :])
+
+
+@triton.jit
+def _fwd_out_kernel(
+    q, k, v, g, beta, tinv, o, states, chunk_spans, T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Outputs of one chunk (value columns i_v·BV …) from its start state, sub-chunk by
+    sub-chunk: v_new = U − W S; O = (Q ⊙ e^γ) S + P v_new; S ← e^{γ_L} S + K̃ᵀ v_new."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    incl = o_r[:, None] >= o_r[None, :]
+    S = tl.load(states + ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+    n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
+    for s in range(n_sub):
+        rows = t0 + s * BC + o_r
+        m_r = rows < eos
+        kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        qb, _ = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+        gb = _load_vec(g, rows, m_r, i_h, H)
+        bb = _load_vec(beta, rows, m_r, i_h, H)
+        Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+        gam = tl.cumsum(gb, axis=0)
+        gL = tl.sum(gb, 0)
+        eg = tl.exp(gam)
+        W = tl.dot(Tm, kb * (bb * eg)[:, None], input_precision=PREC)
+        vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
+        qs = qb * scale
+        G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
+        ob = tl.dot(qs * eg[:, None], S, input_precision=PREC) + tl.dot(Pm, vn, input_precision=PREC)
+        p_o = (rows.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
+        tl.store(o + p_o, ob.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+        Kt = kb * tl.exp(gL - gam)[:, None]
+        S = tl.exp(gL) * S + tl.dot(tl.trans(Kt), vn, input_precision=PREC)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_prep_kernel(
+    q, k, g, beta, tinv, do, mr, chunk_spans, T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BZ: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """[Mᵀ | R] of one chunk: the adjoint sub-chunk recurrence, last sub-chunk first,
+    dv' = Pᵀ dO' + K̃ dZ; dZ ← (Q ⊙ e^γ)ᵀ dO' + e^{γ_L} dZ − Wᵀ dv', from dZ = [I | 0]
+    with dO' = [0 | dO]. R is the gradient of the chunk's start state from its own outputs."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_z = tl.program_id(2)
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    o_z = i_z * BZ + tl.arange(0, BZ)
+    m_z = o_z < K + V
+    m_zv = (o_z >= K) & m_z
+    m_k = o_k < K
+    incl = o_r[:, None] >= o_r[None, :]
+    dZ = tl.where(o_k[:, None] == o_z[None, :], 1.0, 0.0)
+    n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
+    for j in range(n_sub):
+        s = n_sub - 1 - j
+        rows = t0 + s * BC + o_r
+        m_r = rows < eos
+        kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        qb, _ = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        dob = _load_rows(do, rows, m_r, i_h, H, V, o_z - K, m_zv)
+        gb = _load_vec(g, rows, m_r, i_h, H)
+        bb = _load_vec(beta, rows, m_r, i_h, H)
+        Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+        gam = tl.cumsum(gb, axis=0)
+        gL = tl.sum(gb, 0)
+        eg = tl.exp(gam)
+        W = tl.dot(Tm, kb * (bb * eg)[:, None], input_precision=PREC)
+        qs = qb * scale
+        G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
+        Kt = kb * tl.exp(gL - gam)[:, None]
+        dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dZ, input_precision=PREC)
+        dZ = (tl.dot(tl.trans(qs * eg[:, None]), dob, input_precision=PREC) + tl.exp(gL) * dZ
+              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+    p = mr + ((i_c * H + i_h) * K + o_k[:, None]) * (K + V) + o_z[None, :]
+    tl.store(p, dZ, mask=m_z[None, :])
+
+
+@triton.jit
+def _bwd_local_kernel(
+    q, k, v, g, beta, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, chunk_spans, T, scale,
+    part_qk, part_t,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    NS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Gradients of one chunk (value columns i_v·BV …) from its start state S and the gradient
+    dS of its end state. A forward sweep stores the sub-chunk start states (scratch), then a
+    reverse sweep runs the adjoint recurrence and emits dq, dk, dv, dg, dβ. With several value
+    blocks, dq/dk/dg/dβ are partial sums (offsets part_qk / part_t per block)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    incl = o_r[:, None] >= o_r[None, :]
+    lower = o_r[:, None] > o_r[None, :]
+    p_s = ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
+    dS = tl.load(dstates + p_s, mask=m_v[None, :], other=0.0)
+    # private scratch [NS, K, BV] of this program
+    p_scr = scratch + (((i_c * H + i_h) * NV + i_v) * NS * K + o_k[:, None]) * BV + tl.arange(0, BV)[None, :]
+    n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
+
+    # forward sweep: start state of every sub-chunk (the first is S itself)
+    for s in range(n_sub - 1):
+        tl.store(p_scr + s * K * BV, S)
+        rows = t0 + s * BC + o_r
+        m_r = rows < eos
+        kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+        gb = _load_vec(g, rows, m_r, i_h, H)
+        bb = _load_vec(beta, rows, m_r, i_h, H)
+        Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+        gam = tl.cumsum(gb, axis=0)
+        gL = tl.sum(gb, 0)
+        W = tl.dot(Tm, kb * (bb * tl.exp(gam))[:, None], input_precision=PREC)
+        vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
+        Kt = kb * tl.exp(gL - gam)[:, None]
+        S = tl.exp(gL) * S + tl.dot(tl.trans(Kt), vn, input_precision=PREC)
+    tl.store(p_scr + (n_sub - 1) * K * BV, S)
+    tl.debug_barrier()
+
+    # reverse sweep
+    for j in range(n_sub):
+        s = n_sub - 1 - j
+        S = tl.load(p_scr + s * K * BV)
+        rows = t0 + s * BC + o_r
+        m_r = rows < eos
+        kb, rk = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        qb, rq = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+        dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
+        gb = _load_vec(g, rows, m_r, i_h, H)
+        bb = _load_vec(beta, rows, m_r, i_h, H)
+        Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+        gam, decay, Bkk, A = _gram(kb, gb, bb, BC, PREC)
+        gL = tl.sum(gb, 0)
+        eg = tl.exp(gam)
+        egL = tl.exp(gL)
+        ed = tl.exp(gL - gam)
+        X = kb * (bb * eg)[:, None]
+        W = tl.dot(Tm, X, input_precision=PREC)
+        vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
+        qs = qb * scale
+        G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
+        Qt = qs * eg[:, None]
+        Kt = kb * ed[:, None]
+
+        # adjoints of the sub-chunk's intermediates (dS = gradient of its end state)
+        dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dS, input_precision=PREC)
+        dY = tl.dot(tl.trans(Tm), dvn, input_precision=PREC)
+        dX = -tl.dot(dY, tl.trans(S), input_precision=PREC)
+        dQt = tl.dot(dob, tl.trans(S), input_precision=PREC)
+        dP = tl.where(incl, tl.dot(dob, tl.trans(vn), input_precision=PREC), 0.0)
+        dKt = tl.dot(vn, tl.trans(dS), input_precision=PREC)
+        dA = tl.where(lower, -tl.dot(dY, tl.trans(vn), input_precision=PREC), 0.0)
+        dgL = egL * tl.sum(tl.sum(dS * S, 1), 0)
+        dS = (tl.dot(tl.trans(Qt), dob, input_precision=PREC) + egL * dS
+              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+
+        # gradients of the inputs
+        dPG = dP * G_in
+        Gk = dA * decay * bb[:, None]
+        dqb = (dQt * eg[:, None] + tl.dot(dPG, kb, input_precision=PREC)) * scale
+        dkb = (tl.dot(tl.trans(dPG), qs, input_precision=PREC) + dKt * ed[:, None] + dX * (bb * eg)[:, None]
+               + tl.dot(Gk, kb, input_precision=PREC) + tl.dot(tl.trans(Gk), kb, input_precision=PREC))
+        dvb = dY * bb[:, None]
+        dbb = eg * tl.sum(dX * kb, 1) + tl.sum(dY * vb, 1) + tl.sum(dA * Bkk, 1)
+        E = dP * Pm + dA * A
+        Fk = tl.sum(dKt * Kt, 1)
+        dgam = tl.sum(dQt * Qt, 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + tl.sum(dX * X, 1)
+        dgL = dgL + tl.sum(Fk, 0)
+        dgb = tl.sum(dgam, 0) - tl.cumsum(dgam, axis=0) + dgam + dgL
+        if NORM_QK:
+            dqb = rq[:, None] * (dqb - qb * tl.sum(qb * dqb, 1)[:, None])
+            dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])
+
+        r64 = rows.to(tl.int64)
+        m_rk = m_r[:, None] & m_k[None, :]
+        p_qk = (r64 * H + i_h)[:, None] * K + o_k[None, :] + i_v * part_qk
+        tl.store(dq + p_qk, dqb.to(dq.dtype.element_ty), mask=m_rk)
+        tl.store(dk + p_qk, dkb.to(dk.dtype.element_ty), mask=m_rk)
+        p_v = (r64 * H + i_h)[:, None] * V + o_v[None, :]
+        tl.store(dv + p_v, dvb.to(dv.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+        p_t = r64 * H + i_h + i_v * part_t
+        tl.store(dg + p_t, dgb.to(dg.dtype.element_ty), mask=m_r)
+        tl.store(db + p_t, dbb.to(db.dtype.element_ty), mask=m_r)

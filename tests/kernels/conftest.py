@@ -1,0 +1,27 @@
+import os
+
+import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter; triton.jit reads this
+# variable when a kernel module is imported, so it must be set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def nan_poison(monkeypatch):
+    """Fills every floating tensor made by torch.empty / torch.empty_like with NaN (fla's
+    fixture), so an output element that a kernel forgets to write fails the comparison."""
+
+    def poisoned(make):
+        def wrapper(*args, **kwargs):
+            t = make(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            return t
+
+        return wrapper
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
