@@ -1,0 +1,63 @@
+"""HyMo's fields for TorchTitan's ``[optimizer]`` and ``[lr_scheduler]`` sections.
+
+TorchTitan hands the optimizer builder only ``job_config.optimizer`` and the scheduler builder
+only ``job_config.lr_scheduler``, so HyMo's knobs must live in those two sections. The custom
+config module (``hymo_recipes/job_config.py``) declares ``optimizer: Optimizer`` and
+``lr_scheduler: LRScheduler`` with the dataclasses below; TorchTitan's ConfigManager merges them
+field by field into its own (a field declared here overrides the built-in's default).
+
+Built-in ``[optimizer]`` fields keep their meaning for the AdamW side: ``lr``, ``beta1``,
+``beta2``, ``eps``, ``weight_decay`` configure CautiousAdamW (or AdamW for name = "AdamW");
+``implementation`` applies to torch's AdamW only.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class Optimizer:
+    name: Literal["NorMuon", "CautiousAdamW", "AdamW"] = "NorMuon"
+    """"NorMuon": the partition table (NorMuon for matrices, CautiousAdamW for the rest).
+    "CautiousAdamW" / "AdamW": every parameter to that optimizer, same groups (weight decay per
+    table, lr = optimizer.lr): the baselines."""
+
+    lr: float = 3e-4
+    """CautiousAdamW's (or AdamW's) learning rate."""
+
+    normuon_lr: float = 0.02
+    normuon_momentum: float = 0.95
+    normuon_beta2: float = 0.95
+    normuon_eps: float = 1e-8
+    normuon_weight_decay: float = 0.1
+    normuon_cautious_wd: bool = True
+    normuon_neuron_norm: bool = True
+    """False gives plain Muon (with cautious weight decay if normuon_cautious_wd)."""
+    normuon_nesterov: bool = True
+    normuon_ns_steps: int = 5
+    normuon_orthogonalizer: Literal["polar_express", "quintic"] = "polar_express"
+    normuon_update_scale: Literal["jordan", "rms", "spectral"] = "jordan"
+    normuon_ortho_dtype: Literal["bfloat16", "float32", "float64"] = "bfloat16"
+
+    adamw_cautious_update: bool = True
+    adamw_cautious_wd: bool = True
+    adamw_compiled: bool = False
+    """Run CautiousAdamW's multi-tensor step under torch.compile (see BENCHMARKS.md)."""
+
+    embed_weight_decay: float = 0.0
+    """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""
+    moe_on_normuon: bool = False
+    """Move the MoE router, routed experts (per expert) and shared experts to NorMuon."""
+
+@dataclass
+class LRScheduler:
+    warmup_fraction: float = 0.02
+    stable_fraction: float = 0.83
+    decay_fraction: float = 0.15
+    """Fractions of lr_scheduler.total_steps (default training.steps); must sum to 1."""
+
+    min_lr_factor: float = 0.05
+    """Final lr as a fraction of the peak (the seed's min_lr_ratio)."""
+
+    warmup_steps: int | None = None
+    """Unused by HyMo (set warmup_fraction); must stay unset so the two cannot disagree."""

@@ -1,0 +1,292 @@
+"""TorchTitan containers for two optimizers per model part, and the optimizer builder.
+
+TorchTitan 0.2.2's ``OptimizersContainer`` pairs optimizers with model parts by ``zip`` (one
+optimizer per part) and its ``LRSchedulersContainer`` saves only the first scheduler and loads
+it into all of them (with NorMuon at 0.02 and AdamW at 3e-4, AdamW silently inherits NorMuon's
+base lr after a resume). The subclasses here keep (part, optimizer) pairs explicitly and save
+one scheduler state per optimizer name.
+
+Checkpoints: optimizer state goes through DCP as TorchTitan's does, flattened and keyed by
+parameter FQN (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``), so it reshards to another
+number of ranks; NorMuon and CautiousAdamW pre-create their state for every parameter, so the
+keys are identical on every rank and torch's "zero-grad step at lr 0" on load never runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+# TorchTitan base classes. TODO(integration): re-export these two from hymo_recipes/_titan.py.
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.optimizer import OptimizersContainer
+
+from hymo_recipes.optim._dist import local as _local
+from hymo_recipes.optim.cautious_adamw import CautiousAdamW
+from hymo_recipes.optim.nan_guard import NonFiniteGuard
+from hymo_recipes.optim.normuon import NorMuon
+from hymo_recipes.optim.partition import (
+    CAUTIOUS_ADAMW,
+    NORMUON,
+    build_param_groups,
+    hymo_param_table,
+)
+
+__all__ = [
+    "HymoOptimizersContainer",
+    "HymoLRSchedulersContainer",
+    "build_hymo_optimizers",
+    "optimizers_for_part",
+]
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class HymoOptimizersContainer(OptimizersContainer):
+    """Several named optimizers per model part (e.g. ``normuon`` + ``cautious_adamw``).
+
+    Args:
+        model_parts (list[nn.Module]):
+            The model parts (one unless pipeline parallel).
+        build_part (Callable[[nn.Module], dict[str, Optimizer]]):
+            Builds the optimizers of one part, keyed by name; a name may be absent from a part
+            (e.g. a pipeline stage without matrices), never empty.
+        nan_guard (NonFiniteGuard, optional):
+            If given, ``step`` first checks every gradient for NaN/Inf (one multi-tensor norm
+            and one all-reduce) and skips the whole step when any is non-finite: no parameter
+            or optimizer state changes, ``last_step_skipped`` is set (the scheduler container
+            then skips its step too; step post-hooks should check it), and after
+            ``consecutive_limit`` skips in a row it raises NonFiniteTrainingError. This is the
+            trainer-free alternative to calling ``NonFiniteGuard.step_ok`` in train_step
+            (its messages then count ``step`` calls since this process started).
+            Default: ``None``.
+
+    ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
+    say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
+    optimizer; step hooks registered on the container fire once per train step.
+    """
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        build_part: Callable[[nn.Module], dict[str, Optimizer]],
+        nan_guard: NonFiniteGuard | None = None,
+    ) -> None:
+        # Not OptimizersContainer.__init__: it builds exactly one optimizer per part.
+        self.model_parts = model_parts
+        self.optimizers: list[Optimizer] = []
+        self.optimizer_names: list[str] = []
+        self.optimizer_parts: list[nn.Module] = []
+        all_params: list[nn.Parameter] = []
+        for part in model_parts:
+            for name, opt in build_part(part).items():
+                self.optimizers.append(opt)
+                self.optimizer_names.append(name)
+                self.optimizer_parts.append(part)
+                all_params.extend(p for g in opt.param_groups for p in g["params"])
+        if not self.optimizers:
+            raise ValueError("no trainable parameters: nothing to optimize")
+        self.nan_guard = nan_guard
+        self.last_step_skipped = False
+        self._step_calls = 0
+        # Optimizer.__init__ on the container itself: TorchTitan's hooks machinery needs it.
+        self._post_init(all_params, {})
+
+    def step(self, *args, **kwargs) -> None:
+        self._step_calls += 1
+        if self.nan_guard is not None:
+            grads = [_local(p.grad) for o in self.optimizers for g in o.param_groups
+                     for p in g["params"] if p.grad is not None]
+            # A NaN/Inf anywhere makes the sum of the squared norms non-finite.
+            total = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else 0.0
+            # total is this rank's sum: step_ok max-reduces the flag over all ranks, on the
+            # gradients' device (NCCL needs CUDA tensors).
+            flag_src = total if isinstance(total, torch.Tensor) else torch.tensor(total)
+            self.last_step_skipped = not self.nan_guard.step_ok(
+                self._step_calls, flag_src.new_zeros(()), flag_src
+            )
+            if self.last_step_skipped:
+                return
+        for optimizer in self.optimizers:
+            optimizer.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        for part, opt in zip(self.optimizer_parts, self.optimizers):
+            sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Each optimizer picks its own parameters' keys out of the merged flat dict.
+        for part, opt in zip(self.optimizer_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
+
+    def lrs(self) -> dict[str, float]:
+        """Current lr of the first group of each optimizer name (groups differ by lr_mult)."""
+        out: dict[str, float] = {}
+        for name, opt in zip(self.optimizer_names, self.optimizers):
+            out.setdefault(name, float(opt.param_groups[0]["lr"]))
+        return out
+
+
+class HymoLRSchedulersContainer(LRSchedulersContainer):
+    """One LambdaLR per inner optimizer, all with the same factor; every scheduler is saved.
+
+    The checkpoint holds one entry per optimizer *name* (every part of one optimizer follows
+    the same schedule, so this reshards across pipeline layouts like TorchTitan's). On load only
+    the position (``last_epoch``, ``_step_count``) is restored; each scheduler keeps its own
+    base lrs (its optimizer's configured lr × lr_mult per group) and resets its groups' lr to
+    base × factor, so one optimizer's lr can never leak into another's.
+    """
+
+    def __init__(self, optimizers: HymoOptimizersContainer, lr_lambda: Callable, schedule=None):
+        self.schedulers = [LambdaLR(opt, lr_lambda) for opt in optimizers.optimizers]
+        self.names = list(optimizers.optimizer_names)
+        self.lr_lambda = lr_lambda
+        self.schedule = schedule
+        self._optimizers = optimizers
+
+    def step(self) -> None:
+        # A step the optimizer container skipped (non-finite gradients) does not advance the
+        # schedule either.
+        if getattr(self._optimizers, "last_step_skipped", False):
+            return
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, sched in zip(self.names, self.schedulers):
+            if name not in out:
+                sd = sched.state_dict()
+                sd.pop("lr_lambdas", None)  # callables are rebuilt from the config
+                out[name] = sd
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "last_epoch" in state_dict:
+            raise ValueError(
+                "lr_scheduler checkpoint has TorchTitan's single-scheduler layout; HyMo saves "
+                "one entry per optimizer name"
+            )
+        for name, sched in zip(self.names, self.schedulers):
+            if name not in state_dict:
+                raise KeyError(f"lr_scheduler checkpoint has no entry for optimizer {name!r}")
+            sd = copy.deepcopy(state_dict[name])
+            sched.last_epoch = int(sd["last_epoch"])
+            sched._step_count = int(sd.get("_step_count", sched.last_epoch + 1))
+            factor = self.lr_lambda(sched.last_epoch)
+            for group, base in zip(sched.optimizer.param_groups, sched.base_lrs):
+                _set_lr(group, base * factor)
+            sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
+
+
+def _set_lr(group: dict, value) -> None:
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(float(value))
+    else:
+        group["lr"] = float(value)
+
+
+# ------------------------------------------------------------------------------------------
+_REQUIRED_FIELDS = (
+    "name", "lr", "beta1", "beta2", "eps", "weight_decay", "normuon_lr", "normuon_momentum",
+    "normuon_beta2", "normuon_eps", "normuon_weight_decay", "normuon_cautious_wd",
+    "normuon_neuron_norm", "normuon_nesterov", "normuon_ns_steps", "normuon_orthogonalizer",
+    "normuon_update_scale", "normuon_ortho_dtype", "adamw_cautious_update", "adamw_cautious_wd",
+    "adamw_compiled", "embed_weight_decay", "moe_on_normuon",
+)
+
+
+def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
+    """The optimizers of one model part, from an ``[optimizer]`` config (optim/config.py)."""
+    missing = [f for f in _REQUIRED_FIELDS if not hasattr(cfg, f)]
+    if missing:
+        raise ValueError(
+            f"[optimizer] lacks HyMo's fields {missing}: the custom JobConfig must declare "
+            "`optimizer: hymo_recipes.optim.config.Optimizer`"
+        )
+    rules = hymo_param_table(
+        normuon_weight_decay=cfg.normuon_weight_decay,
+        adamw_weight_decay=cfg.weight_decay,
+        embed_weight_decay=cfg.embed_weight_decay,
+        moe_on_normuon=cfg.moe_on_normuon,
+    )
+    groups = build_param_groups(part.named_parameters(), rules)
+    if cfg.name != "NorMuon":
+        # Baselines: every group to one element-wise optimizer, same decay per group.
+        groups = {CAUTIOUS_ADAMW: [g for gs in groups.values() for g in gs]}
+
+    def with_lr(gs, base_lr):
+        return [{**g, "lr": base_lr * g["lr_mult"]} for g in gs]
+
+    out: dict[str, Optimizer] = {}
+    if groups.get(NORMUON):
+        out[NORMUON] = NorMuon(
+            with_lr(groups[NORMUON], cfg.normuon_lr),
+            lr=cfg.normuon_lr,
+            momentum=cfg.normuon_momentum,
+            beta2=cfg.normuon_beta2,
+            eps=cfg.normuon_eps,
+            weight_decay=cfg.normuon_weight_decay,
+            cautious_wd=cfg.normuon_cautious_wd,
+            neuron_norm=cfg.normuon_neuron_norm,
+            nesterov=cfg.normuon_nesterov,
+            ns_steps=cfg.normuon_ns_steps,
+            orthogonalizer=cfg.normuon_orthogonalizer,
+            update_scale=cfg.normuon_update_scale,
+            ortho_dtype=cfg.normuon_ortho_dtype,
+        )
+    if groups.get(CAUTIOUS_ADAMW):
+        adam_groups = with_lr(groups[CAUTIOUS_ADAMW], cfg.lr)
+        if cfg.name == "AdamW":
+            impl = getattr(cfg, "implementation", "foreach")
+            out["adamw"] = torch.optim.AdamW(
+                adam_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused",
+            )
+        else:
+            out[CAUTIOUS_ADAMW] = CautiousAdamW(
+                adam_groups,
+                lr=cfg.lr,
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                cautious_update=cfg.adamw_cautious_update,
+                cautious_wd=cfg.adamw_cautious_wd,
+                compiled=cfg.adamw_compiled,
+            )
+    return out
+
+
+def build_hymo_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config,
+    parallel_dims=None,
+    ft_manager=None,
+    *,
+    nan_guard: NonFiniteGuard | None = None,
+) -> HymoOptimizersContainer:
+    """TorchTitan's ``build_optimizers_fn`` for HyMo (signature of torchtitan's builder).
+
+    Reads ``[optimizer]`` with HyMo's fields (hymo_recipes/optim/config.py). Step hooks (MoE
+    balancing, metrics) are the caller's to register on the returned container; with
+    ``nan_guard`` they must do nothing but reset counters when ``last_step_skipped``.
+    """
+    if getattr(optimizer_config, "early_step_in_backward", False):
+        raise NotImplementedError("optimizer.early_step_in_backward is not supported by HyMo")
+    if ft_manager is not None and getattr(ft_manager, "enabled", False):
+        raise NotImplementedError("TorchFT is not supported by HyMo's optimizers")
+    return HymoOptimizersContainer(
+        model_parts, lambda part: optimizers_for_part(part, optimizer_config), nan_guard
+    )
