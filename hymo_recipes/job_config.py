@@ -1,0 +1,31 @@
+"""HyMo's extra job-config knobs: one small ``[hymo]`` section.
+
+TOML configs turn it on with ``[job] custom_config_module = "hymo_recipes.job_config"``;
+TorchTitan's ConfigManager then merges this module's ``JobConfig`` into its own, field by
+field, so the section parses, validates (unknown keys raise) and overrides from the CLI
+(``--hymo.gdn_backend triton``) like the built-in ones.
+
+Only knobs that really vary per run belong here; model shape lives in the flavors
+(``hymo_recipes.model``). Extra fields for a *built-in* section are declared the same way,
+e.g. ``optimizer: Optimizer`` with a dataclass ``Optimizer`` holding only the new fields;
+that is how the optimizer and lr-scheduler builders, which see only their own section, get
+HyMo's knobs.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Hymo:
+    gdn_backend: Literal["flavor", "naive", "torch_chunk", "triton"] = "flavor"
+    """Gated DeltaNet recurrence backend. "flavor" keeps the flavor's choice; "triton" is the
+    GPU kernel, "torch_chunk" the chunked PyTorch reference (CPU), "naive" the per-token
+    reference. Applied by ``HymoModelArgs.update_from_config``; ``parallelize_hymo`` refuses a
+    model built with another backend, and a backend that cannot run raises: nothing falls back
+    silently."""
+
+
+@dataclass
+class JobConfig:
+    hymo: Hymo = field(default_factory=Hymo)

@@ -1,0 +1,101 @@
+"""The MTP loss under TorchTitan's sum-then-divide contract, and the per-head statistics."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hymo_recipes  # noqa: F401
+from hymo_recipes._titan import IGNORE_INDEX
+from hymo_recipes.loss import MTPLoss
+from hymo_recipes.metrics import step_stats
+
+B, T, V = 2, 7, 11
+WEIGHTS = (0.3, 0.1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats():
+    step_stats.reset()
+    yield
+    step_stats.reset()
+
+
+def _batch(seed=0, ignore=()):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g)
+    mtp = [torch.randn(B, T, V, generator=g) for _ in WEIGHTS]
+    labels = torch.randint(0, V, (B, T), generator=g)
+    for b, t in ignore:
+        labels[b, t] = IGNORE_INDEX
+    return logits, mtp, labels
+
+
+def _mean_ce(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def test_after_division_each_mtp_term_is_weight_times_its_mean_ce():
+    logits, mtp, labels = _batch()
+    total = MTPLoss(WEIGHTS)((logits, mtp), labels)
+    n_main = labels.numel()
+    # TorchTitan divides the returned sum by the number of main-head labels
+    expected = _mean_ce(logits, labels)
+    for k, (w, head) in enumerate(zip(WEIGHTS, mtp), start=1):
+        # head k at position t predicts the label k positions further on
+        expected = expected + w * _mean_ce(head[:, : T - k], labels[:, k:])
+    torch.testing.assert_close(total / n_main, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_ignored_labels_are_excluded_per_head():
+    logits, mtp, labels = _batch(seed=1, ignore=[(0, 6), (1, 2)])
+    loss = MTPLoss(WEIGHTS)
+    total = loss((logits, mtp), labels)
+    n = [(labels[:, k:] != IGNORE_INDEX).sum().item() for k in range(3)]
+    assert n == [12, 10, 8]
+    expected = _mean_ce(logits, labels) * n[0]
+    for k, (w, head) in enumerate(zip(WEIGHTS, mtp), start=1):
+        expected = expected + w * _mean_ce(head[:, : T - k], labels[:, k:]) * n[0]
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-5)
+
+
+def test_per_head_stats_accumulate_over_microbatches_until_the_step_ends():
+    loss = MTPLoss(WEIGHTS)
+    batches = [_batch(seed=s) for s in (2, 3)]
+    for logits, mtp, labels in batches:
+        loss((logits, mtp), labels)
+    assert step_stats.head_sums is None  # nothing published before the step ends
+    step_stats.end_step()
+    means = (step_stats.head_sums / step_stats.head_counts).tolist()
+    logits = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[2] for b in batches])
+    assert means[0] == pytest.approx(_mean_ce(logits, labels).item(), rel=1e-6)
+    for k in (1, 2):
+        head = torch.cat([b[1][k - 1] for b in batches])
+        assert means[k] == pytest.approx(_mean_ce(head[:, : T - k], labels[:, k:]).item(), rel=1e-6)
+    step_stats.end_step()  # a step without microbatches publishes nothing
+    assert step_stats.head_sums is None
+
+
+def test_evaluating_returns_main_ce_sum_and_records_nothing():
+    logits, mtp, labels = _batch(seed=4)
+    loss = MTPLoss(WEIGHTS)
+    with loss.evaluating():
+        main = loss((logits, mtp), labels)
+    torch.testing.assert_close(main, _mean_ce(logits, labels) * labels.numel())
+    step_stats.end_step()
+    assert step_stats.head_sums is None
+
+
+def test_head_count_mismatch_raises():
+    logits, mtp, labels = _batch()
+    with pytest.raises(ValueError, match="MTP heads"):
+        MTPLoss((0.3,))((logits, mtp), labels)
+
+
+def test_gradients_flow_to_every_head():
+    logits, mtp, labels = _batch(seed=5)
+    logits.requires_grad_()
+    for head in mtp:
+        head.requires_grad_()
+    MTPLoss(WEIGHTS)((logits, mtp), labels).backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in [logits, *mtp])

@@ -1,0 +1,88 @@
+"""The after-step hook (MoE balancing, per-head stats) and the metrics computed from it."""
+
+import copy
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hymo_recipes  # noqa: F401
+from hymo_recipes._titan import OptimizersContainer
+from hymo_recipes.metrics import HymoMetricsProcessor, step_stats
+from hymo_recipes.model import hymo_flavors
+from hymo_recipes.model.moe import MoE
+from hymo_recipes.step_hooks import moe_modules, register_step_hooks
+
+SINGLE_RANK = SimpleNamespace(get_optional_mesh=lambda name: None)
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats():
+    step_stats.reset()
+    yield
+    step_stats.reset()
+
+
+def _moe(seed):
+    torch.manual_seed(seed)
+    args = dataclasses.replace(hymo_flavors["debugmodel"], moe_capacity_factor=1.0)
+    moe = MoE(args)
+    moe.init_weights(args.init_std, args.init_std)
+    return moe
+
+
+def test_hook_balances_every_moe_then_resets_its_counters():
+    model = torch.nn.ModuleDict({"a": _moe(0), "b": _moe(1)})
+    reference = copy.deepcopy(model)
+    optimizers = OptimizersContainer([model], torch.optim.SGD, {"lr": 0.1})
+    register_step_hooks(optimizers, [model], SINGLE_RANK)
+    assert len(moe_modules([model])) == 2
+
+    x = torch.randn(2, 16, hymo_flavors["debugmodel"].dim)
+    sum(m(x).square().mean() for m in model.values()).backward()
+    counts = [(m.tokens_per_expert.clone(), m.dropped_tokens.clone()) for m in model.values()]
+    assert all(c.sum() == 2 * 16 * m.top_k for (c, _), m in zip(counts, model.values()))
+    optimizers.step()
+
+    for m, ref, (load, dropped) in zip(model.values(), reference.values(), counts):
+        ref.update_expert_bias(load)
+        torch.testing.assert_close(m.expert_bias, ref.expert_bias, rtol=0, atol=0)
+        torch.testing.assert_close(m.load_ema, ref.load_ema, rtol=0, atol=0)
+        assert m.tokens_per_expert.sum() == 0 and m.dropped_tokens.sum() == 0
+    assert torch.equal(step_stats.moe_load, torch.stack([c[0] for c in counts]))
+    assert torch.equal(step_stats.moe_dropped, torch.stack([c[1] for c in counts]))
+
+
+def test_hook_publishes_the_steps_head_losses():
+    model = torch.nn.Linear(2, 2)
+    optimizers = OptimizersContainer([model], torch.optim.SGD, {"lr": 0.1})
+    register_step_hooks(optimizers, [model], SINGLE_RANK)
+    step_stats.add_head_losses(torch.tensor([6.0, 4.0]), torch.tensor([3.0, 2.0]))
+    optimizers.step()
+    assert step_stats.head_sums.tolist() == [6.0, 4.0]
+
+
+def test_metrics_from_step_stats():
+    processor = object.__new__(HymoMetricsProcessor)  # only _hymo_metrics is exercised
+    processor.parallel_dims = SINGLE_RANK
+    step_stats.head_sums, step_stats.head_counts = torch.tensor([8.0, 9.0]), torch.tensor([4.0, 3.0])
+    # two layers of 4 experts; per-layer mean load is 4
+    step_stats.moe_load = torch.tensor([[4.0, 4.0, 4.0, 4.0], [8.0, 6.0, 1.0, 1.0]])
+    step_stats.moe_dropped = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0]])
+    assert processor._hymo_metrics() == pytest.approx({
+        "loss_metrics/main_ce": 2.0,
+        "loss_metrics/mtp_1_ce": 3.0,
+        "moe/max_load": 2.0,
+        "moe/min_load": 0.25,
+        "moe/dropped_frac": 4.0 / 32.0,
+    })
+
+
+def test_lr_of_every_optimizer():
+    processor = object.__new__(HymoMetricsProcessor)
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    processor.optimizers = [torch.optim.SGD(a.parameters(), lr=0.5),
+                            torch.optim.AdamW(b.parameters(), lr=0.25),
+                            torch.optim.SGD(b.parameters(), lr=0.125)]
+    assert processor._optimizer_lrs() == {"lr/SGD": 0.5, "lr/AdamW": 0.25, "lr/SGD_2": 0.125}
