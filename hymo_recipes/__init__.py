@@ -10,26 +10,25 @@ from hymo_recipes import cpu_shims
 
 cpu_shims.use_cpu_device()
 
-from hymo_recipes._titan import (  # noqa: E402
-    TrainSpec,
-    build_lr_schedulers,
-    build_optimizers,
-    build_text_dataloader,
-    register_train_spec,
-)
+from hymo_recipes import optim  # noqa: E402
+from hymo_recipes._titan import TrainSpec, register_train_spec  # noqa: E402
 from hymo_recipes.data import build_tokenizer  # noqa: E402  (also registers the datasets)
+from hymo_recipes.data.dataloader import build_hymo_dataloader  # noqa: E402
 from hymo_recipes.loss import build_mtp_loss  # noqa: E402
 from hymo_recipes.metrics import build_hymo_metrics_processor  # noqa: E402
 from hymo_recipes.model import HymoModel, hymo_flavors  # noqa: E402
 from hymo_recipes.parallelize import parallelize_hymo  # noqa: E402
+from hymo_recipes.scheduler import build_hymo_lr_schedulers  # noqa: E402
 from hymo_recipes.step_hooks import register_step_hooks  # noqa: E402
 from hymo_recipes.validate import build_hymo_validator  # noqa: E402
 
 
 def build_hymo_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
-    """TorchTitan's AdamW for now (the NorMuon + CautiousAdamW builder replaces it), plus the
-    after-step hooks every HyMo optimizer needs (MoE balancing, per-head loss metrics)."""
-    optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    """``hymo_recipes.optim.build_hymo_optimizers`` (NorMuon + CautiousAdamW, or a baseline;
+    skips non-finite steps) plus the after-step hooks every HyMo run needs: MoE balancing and
+    per-head loss metrics (step_hooks.py)."""
+    optimizers = optim.build_hymo_optimizers(model_parts, optimizer_config, parallel_dims,
+                                             ft_manager)
     register_step_hooks(optimizers, model_parts, parallel_dims)
     return optimizers
 
@@ -47,8 +46,8 @@ def get_train_spec() -> TrainSpec:
         parallelize_fn=parallelize_hymo,
         pipelining_fn=None,
         build_optimizers_fn=build_hymo_optimizers,
-        build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_text_dataloader,
+        build_lr_schedulers_fn=build_hymo_lr_schedulers,
+        build_dataloader_fn=build_hymo_dataloader,
         build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_hymo_loss,
         build_validator_fn=build_hymo_validator,

@@ -28,17 +28,18 @@ __all__ = [
 ]
 
 # Trainer plumbing: TrainSpec registration, builders, entry point (hymo_recipes/__init__.py,
-# train.py, parallelize.py, data/, loss.py, metrics.py, validate.py, cpu_shims.py).
+# train.py, parallelize.py, data/, loss.py, metrics.py, validate.py, cpu_shims.py, optim/).
+from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigManager, TORCH_DTYPE_MAP
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets.text_datasets import DATASETS, build_text_dataloader
+from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 from torchtitan.tools.logging import init_logger
 from torchtitan.tools.utils import device_type as titan_device_type
@@ -48,17 +49,17 @@ __all__ += [
     "ConfigManager",
     "DATASETS",
     "DatasetConfig",
+    "HuggingFaceTextDataset",
     "IGNORE_INDEX",
+    "LRSchedulersContainer",
     "MetricsProcessor",
     "OptimizersContainer",
+    "ParallelAwareDataloader",
     "TORCH_DTYPE_MAP",
     "Trainer",
     "TrainSpec",
     "Validator",
     "apply_ac",
-    "build_lr_schedulers",
-    "build_optimizers",
-    "build_text_dataloader",
     "dist_utils",
     "init_logger",
     "register_train_spec",

@@ -6,14 +6,16 @@ field, so the section parses, validates (unknown keys raise) and overrides from 
 (``--hymo.gdn_backend triton``) like the built-in ones.
 
 Only knobs that really vary per run belong here; model shape lives in the flavors
-(``hymo_recipes.model``). Extra fields for a *built-in* section are declared the same way,
-e.g. ``optimizer: Optimizer`` with a dataclass ``Optimizer`` holding only the new fields;
-that is how the optimizer and lr-scheduler builders, which see only their own section, get
-HyMo's knobs.
+(``hymo_recipes.model``). Extra fields for a *built-in* section are declared the same way:
+``optimizer`` and ``lr_scheduler`` below add HyMo's fields (hymo_recipes/optim/config.py:
+NorMuon/CautiousAdamW, the NaN guard, the WSD fractions) to TorchTitan's ``[optimizer]`` and
+``[lr_scheduler]``, because the optimizer and lr-scheduler builders see only their section.
 """
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from hymo_recipes.optim.config import LRScheduler, Optimizer
 
 
 @dataclass
@@ -29,3 +31,5 @@ class Hymo:
 @dataclass
 class JobConfig:
     hymo: Hymo = field(default_factory=Hymo)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)

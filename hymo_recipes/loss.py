@@ -77,7 +77,12 @@ class MTPLoss:
             self.weights = self.weights.to(sums.device)
         # n_main / n_k; clamp: a head with no valid target contributes 0, not NaN.
         scale = self.weights * counts[0] / counts.clamp(min=1)
-        return (sums * scale).sum()
+        loss = (sums * scale).sum()
+        if step_stats.nan_guard is not None:
+            # Notes a NaN/Inf loss for the optimizer step's skip decision (and, on the steps of
+            # optimizer.inject_nan_steps, makes it NaN: a test hook).
+            loss = step_stats.nan_guard.on_loss(loss)
+        return loss
 
     @contextlib.contextmanager
     def evaluating(self):

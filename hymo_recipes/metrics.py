@@ -10,7 +10,12 @@ step (tensorboard tags):
 - ``moe/dropped_frac``: routed token-expert assignments dropped by the capacity limit, as a
   fraction of all assignments;
 - ``lr/<optimizer class>``: each optimizer's current lr (its first parameter group), since
-  TorchTitan's ``lr`` is the first scheduler's only.
+  TorchTitan's ``lr`` is the first scheduler's only;
+- ``optimizer/skipped_steps`` and ``optimizer/consecutive_skipped``: steps skipped for a
+  non-finite loss or gradient, in the whole run (across resumes) and in a row right now;
+- ``time_metrics/optimizer_step(s)`` and ``time_metrics/optimizer_step(%)``: mean time of the
+  optimizer container's step (NaN check + every optimizer, optim/container.py ``StepTimer``)
+  since the last log, and its share of the wall time over the same interval.
 The MoE numbers are ratios on purpose: activation checkpointing re-runs a block's forward in
 backward, which counts every routed and dropped token twice; a ratio is unaffected.
 
@@ -20,6 +25,8 @@ TorchTitan's Trainer and never see each other, so they meet in one process-wide 
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -38,6 +45,9 @@ class StepStats:
         self.head_sums = self.head_counts = None  # [1 + mtp_depth], the last finished step
         self.moe_load = None  # [n_moe_layers, n_experts] routed tokens, all ranks
         self.moe_dropped = None  # [n_moe_layers, n_experts] dropped tokens, all ranks
+        # The optimizer container's NonFiniteGuard (step_hooks.register_step_hooks sets it);
+        # the loss function passes each training loss through it.
+        self.nan_guard = None
 
     def add_head_losses(self, sums: torch.Tensor, counts: torch.Tensor) -> None:
         if self._head_sums is None:
@@ -62,6 +72,7 @@ class HymoMetricsProcessor(MetricsProcessor):
         extra = dict(extra_metrics or {})
         extra.update(self._hymo_metrics())
         extra.update(self._optimizer_lrs())
+        extra.update(self._optimizer_step_metrics())
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
     def _hymo_metrics(self) -> dict[str, float]:
@@ -89,6 +100,20 @@ class HymoMetricsProcessor(MetricsProcessor):
                               for name, value in metrics.items()))
         return metrics
 
+    def _optimizer_step_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        guard = getattr(self.optimizers, "nan_guard", None)
+        if guard is not None:
+            out.update({f"optimizer/{k}": v for k, v in guard.metrics().items()})
+        timer = getattr(self.optimizers, "step_timer", None)
+        if timer is not None:
+            seconds, steps = timer.collect()
+            # the same interval TorchTitan's time_metrics/end_to_end(s) divides up
+            elapsed = time.perf_counter() - self.time_last_log
+            if steps:
+                out["time_metrics/optimizer_step(s)"] = seconds / steps
+                out["time_metrics/optimizer_step(%)"] = 100 * seconds / elapsed
+        return out
 
     def _optimizer_lrs(self) -> dict[str, float]:
         lrs: dict[str, float] = {}

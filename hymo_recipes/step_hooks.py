@@ -12,6 +12,12 @@ the data-parallel ranks (one all-reduce for all layers), feeds the global counts
 ``update_expert_bias`` (an EMA of load *shares*, so the double count under activation
 checkpointing does not move the bias), leaves them in ``step_stats`` for the metrics and resets
 the counters. Every rank applies the same update, so the replicated bias stays identical.
+
+A step the optimizer container skipped (``last_step_skipped``: a NaN/Inf loss or gradient,
+hymo_recipes/optim/nan_guard.py) must change nothing: its counts are still all-reduced and
+shown in the metrics (where the bad step routed its tokens is a useful diagnostic), but they
+are discarded, not fed to ``update_expert_bias``: the EMA and the bias stay as they were, and
+the next step starts from zeroed counters (its update sees only its own tokens).
 """
 
 from __future__ import annotations
@@ -27,27 +33,33 @@ def moe_modules(model_parts: list[nn.Module]) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def balance_experts(moes: list[nn.Module], loss_mesh) -> None:
-    """All-reduce each MoE's counters over ``loss_mesh`` (None: single rank), update its bias,
-    record the global counts in step_stats and zero the counters."""
+def balance_experts(moes: list[nn.Module], loss_mesh, *, update: bool = True) -> None:
+    """All-reduce each MoE's counters over ``loss_mesh`` (None: single rank), update its bias
+    (unless ``update`` is False: a skipped step), record the global counts in step_stats and
+    zero the counters."""
     # [2, L, E]: routed and dropped assignments per layer and expert
     counts = torch.stack([torch.stack([m.tokens_per_expert, m.dropped_tokens]) for m in moes], 1)
     if loss_mesh is not None:
         torch.distributed.all_reduce(counts, group=loss_mesh.get_group())
     load, dropped = counts
     for m, layer_load in zip(moes, load):
-        m.update_expert_bias(layer_load)
+        if update:
+            m.update_expert_bias(layer_load)
         m.reset_load_counters()
     step_stats.moe_load, step_stats.moe_dropped = load, dropped
 
 
 def register_step_hooks(optimizers, model_parts: list[nn.Module], parallel_dims) -> None:
+    """Registers the after-step hook on ``optimizers`` and publishes its NaN guard (if any) in
+    ``step_stats`` for the loss function, which is built before the optimizers."""
     moes = moe_modules(model_parts)
     loss_mesh = parallel_dims.get_optional_mesh("loss")
+    step_stats.nan_guard = getattr(optimizers, "nan_guard", None)
 
     def after_step(*args, **kwargs):
         step_stats.end_step()
         if moes:
-            balance_experts(moes, loss_mesh)
+            skipped = getattr(optimizers, "last_step_skipped", False)
+            balance_experts(moes, loss_mesh, update=not skipped)
 
     optimizers.register_step_post_hook(after_step)

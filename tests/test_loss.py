@@ -99,3 +99,24 @@ def test_gradients_flow_to_every_head():
         head.requires_grad_()
     MTPLoss(WEIGHTS)((logits, mtp), labels).backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in [logits, *mtp])
+
+
+def test_training_losses_go_through_the_nan_guard():
+    """The loss reports to the optimizer container's guard (wired by step_hooks) and, on an
+    injected step, returns NaN with gradients; validation losses bypass the guard."""
+    from hymo_recipes.optim.nan_guard import NonFiniteGuard
+
+    guard = step_stats.nan_guard = NonFiniteGuard(inject_nan_steps=[2])
+    loss_fn = MTPLoss(WEIGHTS)
+    logits, mtp, labels = _batch()
+    logits.requires_grad_(True)
+    assert torch.isfinite(loss_fn((logits, mtp), labels))
+    assert guard.check_step([torch.ones(2)]) is True  # step 1 ends
+    poisoned = loss_fn((logits, mtp), labels)  # step 2: injected
+    assert torch.isnan(poisoned)
+    poisoned.backward()
+    assert torch.isnan(logits.grad).all()
+    with loss_fn.evaluating():
+        assert torch.isfinite(loss_fn((logits, mtp), labels))
+    assert guard.check_step([torch.ones(2)]) is False  # the loss flag alone decides
+    assert guard.metrics() == {"skipped_steps": 1, "consecutive_skipped": 1}

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -54,6 +55,39 @@ def test_hook_balances_every_moe_then_resets_its_counters():
     assert torch.equal(step_stats.moe_dropped, torch.stack([c[1] for c in counts]))
 
 
+def test_a_skipped_step_discards_its_counts_and_keeps_the_bias():
+    """A step the NaN guard skipped changes no balancing state: the EMA and bias stay, the
+    step's counts are shown in the metrics but discarded (zeroed), so the next update sees
+    only the next step's tokens."""
+    model = torch.nn.ModuleDict({"a": _moe(0)})
+    moe = model["a"]
+    optimizers = OptimizersContainer([model], torch.optim.SGD, {"lr": 0.1})
+    register_step_hooks(optimizers, [model], SINGLE_RANK)
+    x = torch.randn(2, 16, hymo_flavors["debugmodel"].dim)
+
+    moe(x).square().mean().backward()  # step 1: a normal update moves the EMA and the bias
+    optimizers.step()
+    assert moe.load_ema.abs().sum() > 0
+    ema, bias = moe.load_ema.clone(), moe.expert_bias.clone()
+
+    moe(x).square().mean().backward()  # step 2: skipped
+    routed = moe.tokens_per_expert.clone()
+    optimizers.last_step_skipped = True  # what HymoOptimizersContainer.step sets on a skip
+    optimizers.step()
+    assert torch.equal(moe.load_ema, ema) and torch.equal(moe.expert_bias, bias)
+    assert moe.tokens_per_expert.sum() == 0 and moe.dropped_tokens.sum() == 0
+    assert torch.equal(step_stats.moe_load, routed[None])
+
+    moe(x).square().mean().backward()  # step 3: updates from its own counts only
+    optimizers.last_step_skipped = False
+    counts = moe.tokens_per_expert.clone()
+    reference = copy.deepcopy(moe)
+    optimizers.step()
+    reference.update_expert_bias(counts)
+    assert torch.equal(moe.load_ema, reference.load_ema)
+    assert torch.equal(moe.expert_bias, reference.expert_bias)
+
+
 def test_hook_publishes_the_steps_head_losses():
     model = torch.nn.Linear(2, 2)
     optimizers = OptimizersContainer([model], torch.optim.SGD, {"lr": 0.1})
@@ -86,3 +120,21 @@ def test_lr_of_every_optimizer():
                             torch.optim.AdamW(b.parameters(), lr=0.25),
                             torch.optim.SGD(b.parameters(), lr=0.125)]
     assert processor._optimizer_lrs() == {"lr/SGD": 0.5, "lr/AdamW": 0.25, "lr/SGD_2": 0.125}
+
+
+def test_skip_count_and_optimizer_step_time_metrics():
+    from hymo_recipes.optim.nan_guard import NonFiniteGuard
+
+    class Timer:
+        def collect(self):
+            return 0.3, 3
+
+    processor = object.__new__(HymoMetricsProcessor)
+    processor.optimizers = SimpleNamespace(nan_guard=NonFiniteGuard(), step_timer=Timer())
+    processor.optimizers.nan_guard.skipped_total = 2
+    processor.time_last_log = time.perf_counter() - 1.0  # one second since the last log
+    metrics = processor._optimizer_step_metrics()
+    assert metrics["optimizer/skipped_steps"] == 2
+    assert metrics["optimizer/consecutive_skipped"] == 0
+    assert metrics["time_metrics/optimizer_step(s)"] == pytest.approx(0.1)
+    assert metrics["time_metrics/optimizer_step(%)"] == pytest.approx(30, rel=0.05)

@@ -207,6 +207,13 @@ hymo_flavors: dict[str, HymoModelArgs] = {
         moe_num_shared_experts=1,
         moe_top_k=2,
         moe_inter_dim=256,
+        # Balancing that acts within the 60-step debug run. With the 750m's 0.001 per step
+        # (made for ~57 K steps; here the bias moves 0.06 at most) and its ~50-step load EMA,
+        # the debug run (2 CPU processes, 60 steps) had one expert at ~3x the mean load and
+        # 39-43% of routed assignments dropped over steps 21-60. Speed 0.01 with a ~10-step
+        # EMA (alpha 0.1): 8-13%; speed 0.02 overshoots (single runs each, README).
+        moe_bias_update_speed=0.01,
+        moe_load_ema_alpha=0.1,
         mtp_depth=2,
         mtp_loss_weights=(0.3, 0.1),
         mtp_inter_dim=256,

@@ -6,8 +6,10 @@
   weight decay, multi-tensor (foreach, optionally torch.compile'd).
 - partition.py: the declarative table (name pattern → optimizer, weight decay, lr multiplier).
 - container.py: TorchTitan containers holding two optimizers per model part and saving every
-  scheduler; ``build_hymo_optimizers`` is the TrainSpec's ``build_optimizers_fn``.
-- nan_guard.py: skip steps with a non-finite loss or gradient, stop after too many in a row.
+  scheduler, timing the step; ``build_hymo_optimizers`` builds them from ``[optimizer]`` (the
+  TrainSpec's ``build_optimizers_fn`` in hymo_recipes/__init__.py adds the step hooks).
+- nan_guard.py: skip steps with a non-finite loss or gradient, stop after too many in a row
+  (checked inside the container's step).
 - config.py: the extra ``[optimizer]`` / ``[lr_scheduler]`` fields.
 The WSD schedule itself is ``hymo_recipes.scheduler``.
 """

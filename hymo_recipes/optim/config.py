@@ -8,10 +8,11 @@ field by field into its own (a field declared here overrides the built-in's defa
 
 Built-in ``[optimizer]`` fields keep their meaning for the AdamW side: ``lr``, ``beta1``,
 ``beta2``, ``eps``, ``weight_decay`` configure CautiousAdamW (or AdamW for name = "AdamW");
-``implementation`` applies to torch's AdamW only.
+``implementation`` applies to torch's AdamW only. The NaN guard's knobs live here too: the
+optimizer builder sees only this section, and skipping is a decision of the optimizer step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -19,8 +20,10 @@ from typing import Literal
 class Optimizer:
     name: Literal["NorMuon", "CautiousAdamW", "AdamW"] = "NorMuon"
     """"NorMuon": the partition table (NorMuon for matrices, CautiousAdamW for the rest).
-    "CautiousAdamW" / "AdamW": every parameter to that optimizer, same groups (weight decay per
-    table, lr = optimizer.lr): the baselines."""
+    Baselines: "CautiousAdamW" puts every group of the table on CautiousAdamW (weight decay per
+    table, lr = optimizer.lr); "AdamW" is TorchTitan's own optimizer, torch.optim.AdamW over all
+    parameters in one group with weight_decay everywhere (``implementation`` applies). All three
+    run in HyMo's container: same WSD schedule, NaN guard and MoE balancing."""
 
     lr: float = 3e-4
     """CautiousAdamW's (or AdamW's) learning rate."""
@@ -48,6 +51,13 @@ class Optimizer:
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""
     moe_on_normuon: bool = False
     """Move the MoE router, routed experts (per expert) and shared experts to NorMuon."""
+
+    consecutive_nan_limit: int = 5
+    """A step whose loss or gradient is NaN/Inf on any rank is skipped (nothing is updated);
+    after this many skipped steps in a row training stops with an error. 0 never stops."""
+    inject_nan_steps: list[int] = field(default_factory=list)
+    """Test hook: 1-based train steps whose loss is made NaN (TOML ``[3, 5]``, command line
+    ``--optimizer.inject_nan_steps 3 5``)."""
 
 @dataclass
 class LRScheduler:

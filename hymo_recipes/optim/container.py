@@ -10,11 +10,13 @@ Checkpoints: optimizer state goes through DCP as TorchTitan's does, flattened an
 parameter FQN (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``), so it reshards to another
 number of ranks; NorMuon and CautiousAdamW pre-create their state for every parameter, so the
 keys are identical on every rank and torch's "zero-grad step at lr 0" on load never runs.
+The NaN guard's counters (train steps, skipped steps) ride along as ``nan_guard.<key>`` ints.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Callable
 
 import torch
@@ -27,10 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-# TorchTitan base classes. TODO(integration): re-export these two from hymo_recipes/_titan.py.
-from torchtitan.components.lr_scheduler import LRSchedulersContainer
-from torchtitan.components.optimizer import OptimizersContainer
-
+from hymo_recipes._titan import LRSchedulersContainer, OptimizersContainer, logger
 from hymo_recipes.optim._dist import local as _local
 from hymo_recipes.optim.cautious_adamw import CautiousAdamW
 from hymo_recipes.optim.nan_guard import NonFiniteGuard
@@ -62,18 +61,17 @@ class HymoOptimizersContainer(OptimizersContainer):
             Builds the optimizers of one part, keyed by name; a name may be absent from a part
             (e.g. a pipeline stage without matrices), never empty.
         nan_guard (NonFiniteGuard, optional):
-            If given, ``step`` first checks every gradient for NaN/Inf (one multi-tensor norm
-            and one all-reduce) and skips the whole step when any is non-finite: no parameter
-            or optimizer state changes, ``last_step_skipped`` is set (the scheduler container
-            then skips its step too; step post-hooks should check it), and after
-            ``consecutive_limit`` skips in a row it raises NonFiniteTrainingError. This is the
-            trainer-free alternative to calling ``NonFiniteGuard.step_ok`` in train_step
-            (its messages then count ``step`` calls since this process started).
-            Default: ``None``.
+            If given, ``step`` first asks it whether this step's losses and gradients are
+            finite on every rank (nan_guard.py) and skips the whole step when not: no
+            parameter or optimizer state changes, ``last_step_skipped`` is set (the scheduler
+            container then skips its step too; step post-hooks must check it), and after
+            ``consecutive_limit`` skips in a row it raises NonFiniteTrainingError. Its counters
+            are saved with the optimizer state. Default: ``None``.
 
     ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
     say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
-    optimizer; step hooks registered on the container fire once per train step.
+    optimizer; step hooks registered on the container fire once per train step (also on a
+    skipped one). ``step_timer`` measures each ``step`` (guard and optimizers, not the hooks).
     """
 
     def __init__(
@@ -98,35 +96,47 @@ class HymoOptimizersContainer(OptimizersContainer):
             raise ValueError("no trainable parameters: nothing to optimize")
         self.nan_guard = nan_guard
         self.last_step_skipped = False
-        self._step_calls = 0
+        self.step_timer = StepTimer(all_params[0].device)
         # Optimizer.__init__ on the container itself: TorchTitan's hooks machinery needs it.
         self._post_init(all_params, {})
 
     def step(self, *args, **kwargs) -> None:
-        self._step_calls += 1
-        if self.nan_guard is not None:
-            grads = [_local(p.grad) for o in self.optimizers for g in o.param_groups
-                     for p in g["params"] if p.grad is not None]
-            # A NaN/Inf anywhere makes the sum of the squared norms non-finite.
-            total = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else 0.0
-            # total is this rank's sum: step_ok max-reduces the flag over all ranks, on the
-            # gradients' device (NCCL needs CUDA tensors).
-            flag_src = total if isinstance(total, torch.Tensor) else torch.tensor(total)
-            self.last_step_skipped = not self.nan_guard.step_ok(
-                self._step_calls, flag_src.new_zeros(()), flag_src
-            )
-            if self.last_step_skipped:
-                return
-        for optimizer in self.optimizers:
-            optimizer.step(*args, **kwargs)
+        started = self.step_timer.start()
+        try:
+            self.last_step_skipped = False
+            if self.nan_guard is not None:
+                grads = [_local(p.grad) for o in self.optimizers for g in o.param_groups
+                         for p in g["params"] if p.grad is not None]
+                if not self.nan_guard.check_step(grads):
+                    self.last_step_skipped = True
+                    guard = self.nan_guard
+                    logger.warning(
+                        f"step {guard.last_skipped_step}: non-finite loss or gradient; optimizer "
+                        f"step skipped, nothing updated ({guard.consecutive} in a row, "
+                        f"{guard.skipped_total} so far)"
+                    )
+                    return
+            for optimizer in self.optimizers:
+                optimizer.step(*args, **kwargs)
+        finally:
+            self.step_timer.stop(started)
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         for part, opt in zip(self.optimizer_parts, self.optimizers):
             sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        if self.nan_guard is not None:
+            # Plain ints beside the flat ``state.<fqn>`` / ``param_groups.<fqn>`` keys; the
+            # same on every rank (the skip decision is global), so DCP stores them once.
+            sd.update({f"{_GUARD}.{k}": v for k, v in self.nan_guard.state_dict().items()})
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        guard_state = {k[len(_GUARD) + 1:]: v for k, v in state_dict.items()
+                       if k.startswith(_GUARD + ".")}
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith(_GUARD + ".")}
+        if self.nan_guard is not None:
+            self.nan_guard.load_state_dict(guard_state)
         # Each optimizer picks its own parameters' keys out of the merged flat dict.
         for part, opt in zip(self.optimizer_parts, self.optimizers):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
@@ -136,6 +146,52 @@ class HymoOptimizersContainer(OptimizersContainer):
         out: dict[str, float] = {}
         for name, opt in zip(self.optimizer_names, self.optimizers):
             out.setdefault(name, float(opt.param_groups[0]["lr"]))
+        return out
+
+
+_GUARD = "nan_guard"
+
+
+class StepTimer:
+    """Time spent in the optimizer container's ``step``, summed until ``collect()``.
+
+    On CUDA it records a pair of events on the current stream per step (no host sync; the
+    interval is the GPU timeline from the end of backward to the last optimizer kernel,
+    including idle gaps while the host launches kernels or waits for the NaN check). On CPU it
+    uses ``time.perf_counter``. ``collect()`` synchronises on the last event: call it only where
+    the host syncs anyway (TorchTitan's logging step).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._pending: list = []
+        self._seconds = 0.0
+        self._steps = 0
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((started, end))
+        else:
+            self._seconds += time.perf_counter() - started
+        self._steps += 1
+
+    def collect(self) -> tuple[float, int]:
+        """(seconds, steps) since the last collect."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
+            self._seconds += sum(a.elapsed_time(b) for a, b in self._pending) / 1e3
+            self._pending.clear()
+        out = (self._seconds, self._steps)
+        self._seconds, self._steps = 0.0, 0
         return out
 
 
@@ -200,22 +256,41 @@ def _set_lr(group: dict, value) -> None:
 
 # ------------------------------------------------------------------------------------------
 _REQUIRED_FIELDS = (
-    "name", "lr", "beta1", "beta2", "eps", "weight_decay", "normuon_lr", "normuon_momentum",
-    "normuon_beta2", "normuon_eps", "normuon_weight_decay", "normuon_cautious_wd",
-    "normuon_neuron_norm", "normuon_nesterov", "normuon_ns_steps", "normuon_orthogonalizer",
-    "normuon_update_scale", "normuon_ortho_dtype", "adamw_cautious_update", "adamw_cautious_wd",
-    "adamw_compiled", "embed_weight_decay", "moe_on_normuon",
+    "name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "normuon_lr",
+    "normuon_momentum", "normuon_beta2", "normuon_eps", "normuon_weight_decay",
+    "normuon_cautious_wd", "normuon_neuron_norm", "normuon_nesterov", "normuon_ns_steps",
+    "normuon_orthogonalizer", "normuon_update_scale", "normuon_ortho_dtype",
+    "adamw_cautious_update", "adamw_cautious_wd", "adamw_compiled", "embed_weight_decay",
+    "moe_on_normuon", "consecutive_nan_limit", "inject_nan_steps",
 )
 
 
-def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
-    """The optimizers of one model part, from an ``[optimizer]`` config (optim/config.py)."""
+def _check_fields(cfg) -> None:
     missing = [f for f in _REQUIRED_FIELDS if not hasattr(cfg, f)]
     if missing:
         raise ValueError(
             f"[optimizer] lacks HyMo's fields {missing}: the custom JobConfig must declare "
-            "`optimizer: hymo_recipes.optim.config.Optimizer`"
+            "`optimizer: hymo_recipes.optim.config.Optimizer` (TOML: [job] "
+            'custom_config_module = "hymo_recipes.job_config")'
         )
+
+
+def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
+    """The optimizers of one model part, from an ``[optimizer]`` config (optim/config.py)."""
+    _check_fields(cfg)
+    if cfg.name == "AdamW":
+        # TorchTitan's own baseline (components/optimizer.py, build_optimizers): torch's AdamW
+        # over every trainable parameter in one group with one weight decay. HyMo's table
+        # (no decay on norms, gates, ...) is deliberately not applied: this is the reference.
+        params = [p for p in part.parameters() if p.requires_grad]
+        if not params:
+            return {}
+        impl = cfg.implementation
+        return {"adamw": torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused",
+        )}
+
     rules = hymo_param_table(
         normuon_weight_decay=cfg.normuon_weight_decay,
         adamw_weight_decay=cfg.weight_decay,
@@ -223,9 +298,13 @@ def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
         moe_on_normuon=cfg.moe_on_normuon,
     )
     groups = build_param_groups(part.named_parameters(), rules)
-    if cfg.name != "NorMuon":
-        # Baselines: every group to one element-wise optimizer, same decay per group.
+    if cfg.name == "CautiousAdamW":
+        # Baseline: every group of the table to CautiousAdamW, same decay per group.
         groups = {CAUTIOUS_ADAMW: [g for gs in groups.values() for g in gs]}
+    elif cfg.name != "NorMuon":
+        raise ValueError(
+            f"optimizer.name must be NorMuon, CautiousAdamW or AdamW, got {cfg.name!r}"
+        )
 
     def with_lr(gs, base_lr):
         return [{**g, "lr": base_lr * g["lr_mult"]} for g in gs]
@@ -248,24 +327,16 @@ def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
             ortho_dtype=cfg.normuon_ortho_dtype,
         )
     if groups.get(CAUTIOUS_ADAMW):
-        adam_groups = with_lr(groups[CAUTIOUS_ADAMW], cfg.lr)
-        if cfg.name == "AdamW":
-            impl = getattr(cfg, "implementation", "foreach")
-            out["adamw"] = torch.optim.AdamW(
-                adam_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused",
-            )
-        else:
-            out[CAUTIOUS_ADAMW] = CautiousAdamW(
-                adam_groups,
-                lr=cfg.lr,
-                betas=(cfg.beta1, cfg.beta2),
-                eps=cfg.eps,
-                weight_decay=cfg.weight_decay,
-                cautious_update=cfg.adamw_cautious_update,
-                cautious_wd=cfg.adamw_cautious_wd,
-                compiled=cfg.adamw_compiled,
-            )
+        out[CAUTIOUS_ADAMW] = CautiousAdamW(
+            with_lr(groups[CAUTIOUS_ADAMW], cfg.lr),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            cautious_update=cfg.adamw_cautious_update,
+            cautious_wd=cfg.adamw_cautious_wd,
+            compiled=cfg.adamw_compiled,
+        )
     return out
 
 
@@ -274,19 +345,23 @@ def build_hymo_optimizers(
     optimizer_config,
     parallel_dims=None,
     ft_manager=None,
-    *,
-    nan_guard: NonFiniteGuard | None = None,
 ) -> HymoOptimizersContainer:
     """TorchTitan's ``build_optimizers_fn`` for HyMo (signature of torchtitan's builder).
 
-    Reads ``[optimizer]`` with HyMo's fields (hymo_recipes/optim/config.py). Step hooks (MoE
-    balancing, metrics) are the caller's to register on the returned container; with
-    ``nan_guard`` they must do nothing but reset counters when ``last_step_skipped``.
+    Reads ``[optimizer]`` with HyMo's fields (hymo_recipes/optim/config.py), including the
+    NaN guard's ``consecutive_nan_limit`` and ``inject_nan_steps``: every HyMo container skips
+    non-finite steps. Step hooks (MoE balancing, metrics) are the caller's to register on the
+    returned container (``hymo_recipes.step_hooks``); they must change nothing but the MoE
+    counters when ``last_step_skipped``. The loss function must pass each training loss
+    through ``container.nan_guard.on_loss`` for non-finite losses to count (hymo_recipes/loss.py).
     """
     if getattr(optimizer_config, "early_step_in_backward", False):
         raise NotImplementedError("optimizer.early_step_in_backward is not supported by HyMo")
     if ft_manager is not None and getattr(ft_manager, "enabled", False):
         raise NotImplementedError("TorchFT is not supported by HyMo's optimizers")
+    _check_fields(optimizer_config)
+    guard = NonFiniteGuard(optimizer_config.consecutive_nan_limit,
+                           optimizer_config.inject_nan_steps)
     return HymoOptimizersContainer(
-        model_parts, lambda part: optimizers_for_part(part, optimizer_config), nan_guard
+        model_parts, lambda part: optimizers_for_part(part, optimizer_config), guard
     )

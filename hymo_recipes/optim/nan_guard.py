@@ -1,22 +1,31 @@
 """Skip the optimizer step on a non-finite loss or gradient; stop after too many in a row.
 
-The trainer calls ``guard.step_ok(step, loss, grad_norm)`` after gradient clipping and before
-``optimizers.step()``. On False it must skip ``optimizers.step()`` *and*
-``lr_schedulers.step()`` (the container's step hooks, i.e. the MoE bias update, then do not run
-either) and discard the step's MoE load counters. ``grad_norm`` from ``clip_grad_norm_`` is
-already a global value; the loss is per rank, so the flag is max-reduced over all ranks: every
-rank takes the same decision, otherwise FSDP's next collectives would hang.
+How it is wired into TorchTitan's unmodified train loop (no Trainer subclass):
 
-After ``consecutive_limit`` skips in a row ``step_ok`` raises ``NonFiniteTrainingError`` before
-anything is written, so the newest checkpoint on disk is the last good one.
+- The loss function passes every training microbatch's loss through ``on_loss``: it remembers,
+  on the device and without a host sync, whether the loss was NaN/Inf, and (test hook) turns the
+  loss of the steps listed in ``inject_nan_steps`` into NaN.
+- ``HymoOptimizersContainer.step`` calls ``check_step(grads)`` before any optimizer runs. It
+  folds that flag together with the gradients' finiteness, max-reduces it over all ranks (every
+  rank must take the same decision, or FSDP's next collectives hang) and reads it on the host:
+  one sync per step. On a skip no optimizer runs, so no parameter or optimizer state changes;
+  the container sets ``last_step_skipped``, the scheduler container then does not advance and
+  the MoE step hook discards the step's routing counts without touching the balancing bias.
+- After ``consecutive_limit`` skips in a row ``check_step`` raises NonFiniteTrainingError from
+  inside ``optimizers.step()``, i.e. before TorchTitan's ``checkpointer.save`` of that step, so
+  the newest checkpoint on disk is one that was completely written before the bad run began (a
+  DCP checkpoint counts only once its ``.metadata`` exists, and DCP writes that file last, via
+  a temporary file and a rename).
 
-Test hook: ``inject_nan_steps`` lists train steps whose loss ``maybe_inject`` turns into NaN
-(multiplying by NaN keeps the autograd graph, so the gradients become NaN as well).
+The guard counts train steps itself (``steps_done``: every ``check_step``, skipped or not, i.e.
+TorchTitan's ``trainer.step`` after the step) because neither the loss function nor the
+optimizers see the trainer. Its counters travel in the optimizer checkpoint (see
+``state_dict``), so step numbers, the injected steps and the skip total continue across a resume.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,38 +38,68 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Counts and decides skipped steps.
+    """Decides, counts and reports skipped steps.
 
     Args:
         consecutive_limit (int):
-            Stop after this many skipped steps in a row; 0 disables the stop. Default: ``5``.
-        inject_nan_steps (tuple[int, ...]):
-            1-based train steps whose loss is poisoned by ``maybe_inject`` (tests only).
+            Stop after this many skipped steps in a row; 0 never stops. Default: ``5``.
+        inject_nan_steps (Sequence[int]):
+            1-based train steps whose loss ``on_loss`` turns into NaN (a test hook).
             Default: ``()``.
     """
 
-    def __init__(self, consecutive_limit: int = 5, inject_nan_steps: tuple[int, ...] = ()):
+    def __init__(self, consecutive_limit: int = 5, inject_nan_steps: Sequence[int] = ()):
         if consecutive_limit < 0:
             raise ValueError(f"consecutive_nan_limit must be >= 0, got {consecutive_limit}")
+        bad = [s for s in inject_nan_steps if int(s) < 1]
+        if bad:
+            raise ValueError(f"inject_nan_steps are 1-based train steps, got {bad}")
         self.consecutive_limit = consecutive_limit
         self.inject_nan_steps = frozenset(int(s) for s in inject_nan_steps)
+        self.steps_done = 0
         self.skipped_total = 0
         self.consecutive = 0
         self.last_skipped_step: int | None = None
+        self._loss_bad: torch.Tensor | None = None  # this step's losses so far, on the device
 
-    def maybe_inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        if step in self.inject_nan_steps:
-            return loss * float("nan")
+    @property
+    def current_step(self) -> int:
+        """The 1-based train step in progress (TorchTitan's ``trainer.step`` during train_step)."""
+        return self.steps_done + 1
+
+    def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Called by the loss function with each training microbatch's loss; returns the loss
+        to backpropagate (NaN on an injected step: multiplying keeps the autograd graph, so the
+        gradients become NaN too, as they would after a real blow-up)."""
+        if self.current_step in self.inject_nan_steps:
+            loss = loss * float("nan")
+        bad = (~torch.isfinite(loss.detach())).any()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         return loss
 
-    def step_ok(self, step: int, loss, grad_norm) -> bool:
-        """True if the step's loss and gradient norm are finite on every rank."""
-        # On the loss's device: with NCCL the all-reduce needs a CUDA tensor.
-        device = loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")
-        bad = torch.maximum(_nonfinite(loss, device), _nonfinite(grad_norm, device))
+    def check_step(self, grads: list[torch.Tensor]) -> bool:
+        """True if this step may update: every rank's losses (seen by ``on_loss``) and local
+        gradient shards are finite. Counts the step; raises NonFiniteTrainingError at the limit.
+        Every rank must call it (it all-reduces on the default group)."""
+        loss_bad, self._loss_bad = self._loss_bad, None
+        if grads:
+            # A NaN/Inf entry makes its tensor's norm non-finite: one multi-tensor pass.
+            norms = torch._foreach_norm(grads)  # grouped by device and dtype
+            bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
+        else:
+            device = loss_bad.device if loss_bad is not None else "cpu"
+            bad = torch.zeros((), dtype=torch.bool, device=device)
+        if loss_bad is not None:
+            bad = bad | loss_bad.to(bad.device)
+        return self._decide(bad.float())
+
+    def _decide(self, bad: torch.Tensor) -> bool:
+        step = self.current_step
+        self.steps_done += 1
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # On the gradients' device: NCCL needs CUDA tensors, gloo takes CPU ones.
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        # One host sync per step: the skip is a host-side decision.
+        # The one host sync per step: skipping is a host-side decision.
         if not bool(bad.item()):
             self.consecutive = 0
             return True
@@ -70,22 +109,24 @@ class NonFiniteGuard:
         if self.consecutive_limit and self.consecutive >= self.consecutive_limit:
             raise NonFiniteTrainingError(
                 f"{self.consecutive} consecutive training steps (through step {step}) had a "
-                f"non-finite loss or gradient norm; each was skipped without changing the model, "
-                f"optimizer or lr schedule. Stopping (hymo.consecutive_nan_limit = "
-                f"{self.consecutive_limit}); the newest checkpoint is the last good state. "
-                f"Lower the learning rate or inspect the data around this step before resuming."
+                f"non-finite loss or gradient; each was skipped without changing the model, the "
+                f"optimizer state, the MoE balancing or the lr schedule. Stopping "
+                f"(optimizer.consecutive_nan_limit = {self.consecutive_limit}); the newest "
+                f"complete checkpoint is the last good state. Lower the learning rate or inspect "
+                f"the data around this step before resuming."
             )
         return False
 
-    def state(self) -> dict[str, int]:
-        """For metrics: total skipped steps and the current run of skips."""
+    def metrics(self) -> dict[str, int]:
+        """For tensorboard: skipped steps so far (across resumes) and the current run of skips."""
         return {"skipped_steps": self.skipped_total, "consecutive_skipped": self.consecutive}
 
+    # Checkpointed inside the optimizer container's state (plain ints, identical on every rank).
+    def state_dict(self) -> dict[str, int]:
+        return {"steps_done": self.steps_done, "skipped_total": self.skipped_total,
+                "consecutive": self.consecutive}
 
-def _nonfinite(x, device: torch.device) -> torch.Tensor:
-    """1.0 if x (tensor, DTensor or number) has a NaN/Inf, else 0.0; a 0-d tensor on device."""
-    if isinstance(x, torch.Tensor):
-        if hasattr(x, "full_tensor"):  # a DTensor norm: make it a plain value
-            x = x.full_tensor()
-        return (~torch.isfinite(x.detach().float())).any().float().to(device)
-    return torch.tensor(0.0 if math.isfinite(float(x)) else 1.0, device=device)
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps_done = int(state["steps_done"])
+        self.skipped_total = int(state["skipped_total"])
+        self.consecutive = int(state["consecutive"])

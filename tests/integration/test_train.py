@@ -7,7 +7,9 @@ of processes and the CLI overrides on top of train_configs/debug_model.toml.
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,12 +21,15 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "train_configs/debug_model.toml"
 
-# Every logged step must carry these (the debug model has MoE and two MTP heads).
+# Every logged step must carry these (the debug model has MoE and two MTP heads; NorMuon +
+# CautiousAdamW by default).
+TIMING_TAGS = {"throughput(tps)", "time_metrics/optimizer_step(s)",
+               "time_metrics/optimizer_step(%)"}
 REQUIRED_TAGS = {
     "loss_metrics/global_avg_loss", "loss_metrics/main_ce", "loss_metrics/mtp_1_ce",
-    "loss_metrics/mtp_2_ce", "lr", "grad_norm", "throughput(tps)", "moe/max_load",
-    "moe/min_load", "moe/dropped_frac",
-}
+    "loss_metrics/mtp_2_ce", "lr", "grad_norm", "moe/max_load", "moe/min_load",
+    "moe/dropped_frac", "lr/NorMuon", "lr/CautiousAdamW", "optimizer/skipped_steps",
+} | TIMING_TAGS
 
 pytestmark = pytest.mark.slow
 
@@ -54,14 +59,17 @@ def prepared_data():
                     "(or ./scripts/setup.sh) in the repository root first")
 
 
-def run_train(dump_folder: Path, ngpu: int, *overrides: str) -> str:
+def run_train(dump_folder: Path, ngpu: int, *overrides: str, fails: bool = False) -> str:
     env = dict(os.environ, NGPU=str(ngpu), CONFIG_FILE=CONFIG)
     # torchrun and python3 of this interpreter's environment, activated or not
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.run(["./run_train.sh", "--job.dump_folder", str(dump_folder), *overrides],
                           cwd=REPO, env=env, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"run_train.sh failed ({proc.returncode}):\n{output[-6000:]}"
+    if fails:
+        assert proc.returncode != 0, f"run_train.sh should have failed:\n{output[-6000:]}"
+    else:
+        assert proc.returncode == 0, f"run_train.sh failed ({proc.returncode}):\n{output[-6000:]}"
     return output
 
 
@@ -128,31 +136,66 @@ def reference_run(tmp_path_factory):
 
 def assert_same_training_metrics(a, b):
     assert REQUIRED_TAGS <= a.keys()
-    for tag in REQUIRED_TAGS - {"throughput(tps)"}:
+    for tag in REQUIRED_TAGS - TIMING_TAGS:
         assert a[tag] == b[tag], tag  # exact float equality, every step
+
+
+def assert_same_tensors(a: dict, b: dict, skip=()) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if key.startswith(tuple(skip)):
+            continue
+        if torch.is_tensor(value):
+            assert torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
 
 
 def test_two_process_stop_and_resume_is_bitwise(reference_run, tmp_path):
     """Steps 1-4 in one go == steps 1-2, stop, resume from the step-2 checkpoint, steps 3-4:
-    every logged number and every tensor of the final checkpoint (model, optimizer state,
-    MoE balancing buffers) are bitwise equal. Validation at step 2 must not disturb it."""
+    every logged number and every tensor of the final checkpoint (model, NorMuon and
+    CautiousAdamW state, both schedulers, MoE balancing buffers) are bitwise equal. Validation
+    at step 2 must not disturb it.
+
+    Then the same step-2 checkpoint resumed by ONE process (same global batch: 2 microbatches
+    of 4), next to a half-written step-3 folder that must be ignored: model and optimizer state
+    reshard, the lr schedule continues, and the data position takes the documented fallback
+    (hymo_recipes/data/dataloader.py) with a warning."""
     full, full_scalars = reference_run
-    stopped = tmp_path / "stopped"
+    stopped, shrunk = tmp_path / "stopped", tmp_path / "shrunk"
     run_train(stopped, 2, *TWO_PROCESS, "--training.steps", "2")
+    shutil.copytree(stopped / "checkpoint" / "step-2", shrunk / "checkpoint" / "step-2")
     resumed_log = run_train(stopped, 2, *TWO_PROCESS, "--training.steps", "4")
     assert "Training starts at step 3" in resumed_log
     assert_same_training_metrics(full_scalars, read_scalars(stopped))
 
     ckpt_a = flatten(load_checkpoint(full / "checkpoint" / "step-4", tmp_path))
     ckpt_b = flatten(load_checkpoint(stopped / "checkpoint" / "step-4", tmp_path))
-    assert ckpt_a.keys() == ckpt_b.keys()
     assert any(k.endswith("moe.expert_bias") for k in ckpt_a)
-    assert any(k.startswith("optimizer.state.") for k in ckpt_a)
-    for key, value in ckpt_a.items():
-        if torch.is_tensor(value):
-            assert torch.equal(value, ckpt_b[key]), key
-        else:
-            assert value == ckpt_b[key], key
+    assert any(k.endswith("momentum_buffer") for k in ckpt_a)  # NorMuon's state
+    assert any(k.endswith("exp_avg_sq") for k in ckpt_a)  # CautiousAdamW's state
+    assert {"lr_scheduler.normuon.last_epoch",
+            "lr_scheduler.cautious_adamw.last_epoch"} <= ckpt_a.keys()
+    assert_same_tensors(ckpt_a, ckpt_b)
+
+    # A save killed midway leaves a step folder without .metadata (DCP writes that file last,
+    # via a temporary file and a rename); TorchTitan resumes only from folders that have one.
+    half = shrunk / "checkpoint" / "step-3"
+    half.mkdir()
+    shutil.copy(stopped / "checkpoint" / "step-4" / "__0_0.distcp", half / "__0_0.distcp")
+    shrunk_log = run_train(shrunk, 1, *TWO_PROCESS, "--training.steps", "4",
+                           "--training.global_batch_size", "8", "--validation.no-enable")
+    assert "Training starts at step 3" in shrunk_log
+    assert ("Resuming with 1 data-parallel ranks from a checkpoint of 2" in shrunk_log
+            and "16 sequences consumed so far" in shrunk_log), shrunk_log[-3000:]
+    assert "gradient accumulation steps 2" in shrunk_log
+    shrunk_scalars = read_scalars(shrunk)
+    for tag in ("lr/NorMuon", "lr/CautiousAdamW"):  # the schedule continues at step 3
+        assert shrunk_scalars[tag] == {s: full_scalars[tag][s] for s in (3, 4)}, tag
+    losses = shrunk_scalars["loss_metrics/global_avg_loss"]
+    assert sorted(losses) == [3, 4] and all(v < 20 for v in losses.values())
+    ckpt_c = flatten(load_checkpoint(shrunk / "checkpoint" / "step-4", tmp_path))
+    assert ckpt_c.keys() == ckpt_a.keys()
 
 
 def test_selective_activation_checkpointing_changes_no_number(reference_run, tmp_path):
@@ -162,3 +205,39 @@ def test_selective_activation_checkpointing_changes_no_number(reference_run, tmp
               "--activation_checkpoint.mode", "selective",
               "--activation_checkpoint.selective_ac_option", "op", "--checkpoint.no-enable")
     assert_same_training_metrics(reference_run[1], read_scalars(tmp_path))
+
+
+def test_injected_nans_skip_their_steps_and_the_limit_stops_training(tmp_path):
+    """One process, a checkpoint after every step, NaN losses injected at steps 2, 4 and 5,
+    consecutive_nan_limit 2. Step 2 is skipped and changes nothing (parameters, optimizer
+    state, MoE balancing buffers, lr schedule: checkpoint 2 == checkpoint 1 but for the step
+    counters and the data position), step 3 trains, step 4 is skipped, step 5 is the second
+    skip in a row: training stops with a clear error before step 5 is saved; every checkpoint
+    on disk is complete (loadable, with .metadata). That the skip counters survive a resume is
+    tests/optim/test_container.py::test_guard_counters_resume_through_dcp."""
+    run = tmp_path / "run"
+    log = run_train(run, 1, "--training.steps", "6", "--checkpoint.interval", "1",
+                    "--validation.no-enable", "--optimizer.inject_nan_steps", "2", "4", "5",
+                    "--optimizer.consecutive_nan_limit", "2", fails=True)
+    assert "NonFiniteTrainingError: 2 consecutive training steps (through step 5)" in log
+    assert "optimizer.consecutive_nan_limit = 2" in log
+    assert "step 2: non-finite loss or gradient; optimizer step skipped" in log
+    folder = run / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == [f"step-{s}" for s in (1, 2, 3, 4)]
+    assert all((folder / f"step-{s}" / ".metadata").is_file() for s in (1, 2, 3, 4))
+
+    scalars = read_scalars(run)
+    assert scalars["optimizer/skipped_steps"] == {1: 0, 2: 1, 3: 1, 4: 2}
+    losses = scalars["loss_metrics/global_avg_loss"]
+    assert [math.isnan(losses[s]) for s in (1, 2, 3, 4)] == [False, True, False, True]
+    assert scalars["lr/NorMuon"][2] == scalars["lr/NorMuon"][3]  # the schedule waited
+
+    ckpt = {s: flatten(load_checkpoint(folder / f"step-{s}", tmp_path)) for s in (1, 2, 3, 4)}
+    counters = ("train_state.", "dataloader.", "optimizer.nan_guard.")
+    assert any(k.endswith("moe.expert_bias") for k in ckpt[1])
+    assert any(k.startswith("lr_scheduler.") for k in ckpt[1])
+    assert_same_tensors(ckpt[1], ckpt[2], skip=counters)  # the skipped step 2
+    assert_same_tensors(ckpt[3], ckpt[4], skip=counters)  # the skipped step 4
+    assert not torch.equal(ckpt[2]["norm.weight"], ckpt[3]["norm.weight"])  # step 3 trained
+    assert ckpt[4]["optimizer.nan_guard.skipped_total"] == 2
+    assert ckpt[4]["lr_scheduler.normuon.last_epoch"] == 2  # steps 1 and 3 only

@@ -112,11 +112,19 @@ def test_lr_scheduler_state_has_one_entry_per_optimizer():
 
 def test_baseline_names():
     model = make_model()
-    opts, _ = build(model, name="AdamW")
+    # "AdamW" is TorchTitan's optimizer: one group, every parameter, one weight decay
+    opts, _ = build(model, name="AdamW", weight_decay=0.05, implementation="for-loop")
     assert opts.optimizer_names == ["adamw"]
-    assert isinstance(opts.optimizers[0], torch.optim.AdamW)
+    (adamw,) = opts.optimizers
+    assert type(adamw) is torch.optim.AdamW and len(adamw.param_groups) == 1
+    group = adamw.param_groups[0]
+    assert len(group["params"]) == len(list(model.parameters()))
+    assert (group["weight_decay"], group["foreach"], group["fused"]) == (0.05, False, False)
+    assert group["betas"] == (0.9, 0.95) and group["lr"] == pytest.approx(1.5e-4)  # warmup
     opts, _ = build(model, name="CautiousAdamW")
     assert opts.optimizer_names == ["cautious_adamw"]
+    with pytest.raises(ValueError, match="optimizer.name"):
+        build(model, name="Adam")
 
 
 def test_missing_hymo_fields_is_a_clear_error():
@@ -128,52 +136,73 @@ def test_missing_hymo_fields_is_a_clear_error():
         optimizers_for_part(make_model(), types.SimpleNamespace(name="NorMuon", lr=1e-3))
 
 
-def guarded_train_steps(model, opts, scheds, guard, steps):
-    """The NaN-skip protocol the trainer follows (hymo_recipes/optim/nan_guard.py)."""
+def guarded_train_steps(model, opts, scheds, steps):
+    """TorchTitan's order with the loss passed through the container's guard, as HyMo's loss
+    function does (hymo_recipes/loss.py)."""
     for s in steps:
         opts.zero_grad()
-        loss = guard.maybe_inject(s, loss_fn(model, batch(s)))
+        loss = opts.nan_guard.on_loss(loss_fn(model, batch(s)))
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if guard.step_ok(s, loss, grad_norm):
-            opts.step()
-            scheds.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opts.step()
+        scheds.step()
 
 
 def test_injected_nan_skips_exactly_that_step():
     model = make_model()
-    opts, scheds = build(model)
-    guard = NonFiniteGuard(consecutive_limit=5, inject_nan_steps=(3,))
-    guarded_train_steps(model, opts, scheds, guard, range(1, 3))
+    opts, scheds = build(model, inject_nan_steps=[3])
+    guard = opts.nan_guard
+    seen = []
+    opts.register_step_post_hook(lambda *a, **k: seen.append(opts.last_step_skipped))
+    guarded_train_steps(model, opts, scheds, range(1, 3))
     params, state = snapshot(model, opts)
     sched_state = copy.deepcopy(scheds.state_dict())
-    guarded_train_steps(model, opts, scheds, guard, [3])
-    assert guard.state() == {"skipped_steps": 1, "consecutive_skipped": 1}
+    guarded_train_steps(model, opts, scheds, [3])
+    assert seen == [False, False, True]
+    assert guard.metrics() == {"skipped_steps": 1, "consecutive_skipped": 1}
     now_params, now_state = snapshot(model, opts)
     assert_same(now_params, params)
-    assert_same(now_state, state)
+    # the optimizers' state is untouched; only the guard's own counters moved
+    counters = {k for k in state if k.startswith("nan_guard.")}
+    assert counters == {"nan_guard.steps_done", "nan_guard.skipped_total", "nan_guard.consecutive"}
+    assert_same({k: v for k, v in now_state.items() if k not in counters},
+                {k: v for k, v in state.items() if k not in counters})
+    assert (now_state["nan_guard.steps_done"], now_state["nan_guard.skipped_total"]) == (3, 1)
     assert scheds.state_dict() == sched_state
     # the next step trains normally and resets the run of skips
-    guarded_train_steps(model, opts, scheds, guard, [4])
-    assert guard.state() == {"skipped_steps": 1, "consecutive_skipped": 0}
+    guarded_train_steps(model, opts, scheds, [4])
+    assert guard.metrics() == {"skipped_steps": 1, "consecutive_skipped": 0}
     assert not torch.equal(model.norm.weight, params["norm.weight"])
+    assert [s.last_epoch for s in scheds.schedulers] == [3, 3]
 
 
 def test_consecutive_nan_limit_stops_training():
     model = make_model()
-    opts, scheds = build(model)
-    guard = NonFiniteGuard(consecutive_limit=3, inject_nan_steps=(2, 3, 4, 5))
-    with pytest.raises(NonFiniteTrainingError, match="3 consecutive training steps"):
-        guarded_train_steps(model, opts, scheds, guard, range(1, 7))
-    assert guard.skipped_total == 3 and guard.last_skipped_step == 4
+    opts, scheds = build(model, consecutive_nan_limit=3, inject_nan_steps=[2, 3, 4, 5])
+    with pytest.raises(NonFiniteTrainingError, match="3 consecutive training steps .*step 4"):
+        guarded_train_steps(model, opts, scheds, range(1, 7))
+    assert opts.nan_guard.skipped_total == 3 and opts.nan_guard.last_skipped_step == 4
 
 
-def test_container_level_nan_guard_skips_step_and_schedule():
-    """The trainer-free variant: the container checks the gradients itself."""
+def test_a_nonfinite_loss_alone_skips_the_step():
+    """A NaN loss whose gradients stay finite (here: the NaN enters through a constant) is
+    still skipped: the loss flag is part of the decision."""
     model = make_model()
-    opts = build_hymo_optimizers([model], optim_config(), None,
-                                 nan_guard=NonFiniteGuard(consecutive_limit=2))
-    scheds = build_hymo_lr_schedulers(opts, sched_config(), 10)
+    opts, scheds = build(model)
+    train_steps(model, opts, scheds, [1])
+    params, _ = snapshot(model, opts)
+    opts.zero_grad()
+    loss = loss_fn(model, batch(2))
+    opts.nan_guard.on_loss(loss + torch.tensor(float("inf"))).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    opts.step()
+    assert opts.last_step_skipped
+    assert_same(snapshot(model, opts)[0], params)
+
+
+def test_nonfinite_gradient_skips_step_and_schedule():
+    model = make_model()
+    opts, scheds = build(model, consecutive_nan_limit=2)
     seen = []
     opts.register_step_post_hook(lambda *a, **k: seen.append(opts.last_step_skipped))
     train_steps(model, opts, scheds, [1])
@@ -184,18 +213,46 @@ def test_container_level_nan_guard_skips_step_and_schedule():
     opts.step()
     scheds.step()
     assert seen == [False, True] and opts.last_step_skipped
-    now_params, now_state = snapshot(model, opts)
+    now_params, _ = snapshot(model, opts)
     assert_same(now_params, params)
-    assert_same(now_state, state)
     assert [s.last_epoch for s in scheds.schedulers] == [1, 1]
     train_steps(model, opts, scheds, [2])
     assert not opts.last_step_skipped and [s.last_epoch for s in scheds.schedulers] == [2, 2]
-    for _ in range(2):
+    for attempt in range(2):
         opts.zero_grad()
         loss_fn(model, batch(3)).backward()
         model.norm.weight.grad[0] = float("nan")
-        if _ == 1:
-            with pytest.raises(NonFiniteTrainingError):
+        if attempt == 1:
+            with pytest.raises(NonFiniteTrainingError, match="2 consecutive"):
                 opts.step()
         else:
             opts.step()
+
+
+def test_guard_counters_resume_through_dcp(tmp_path):
+    """Step numbers (for inject_nan_steps) and the skip total continue after a resume."""
+    model = make_model()
+    opts, scheds = build(model, inject_nan_steps=[2, 5])
+    guarded_train_steps(model, opts, scheds, range(1, 4))
+    dcp.save({"optimizer": opts}, checkpoint_id=str(tmp_path / "ckpt"))
+    opts2, scheds2 = build(make_model(), inject_nan_steps=[2, 5])
+    dcp.load({"optimizer": opts2}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert (opts2.nan_guard.current_step, opts2.nan_guard.skipped_total) == (4, 1)
+
+
+def test_step_timer_counts_every_step():
+    model = make_model()
+    opts, scheds = build(model)
+    train_steps(model, opts, scheds, range(1, 4))
+    seconds, steps = opts.step_timer.collect()
+    assert steps == 3 and seconds > 0
+    assert opts.step_timer.collect() == (0.0, 0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(consecutive_nan_limit=-1), "consecutive_nan_limit must be >= 0"),
+    (dict(inject_nan_steps=[0]), "1-based train steps"),
+])
+def test_bad_nan_guard_settings_are_clear_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build(make_model(), **overrides)

@@ -99,9 +99,12 @@ def worker(rank, world, port, tmp):
         from hymo_recipes.optim.nan_guard import NonFiniteGuard
 
         guard = NonFiniteGuard()
-        loss = torch.tensor(float("nan") if rank == 1 else 1.0)
-        assert guard.step_ok(7, loss, torch.tensor(0.5)) is False
-        assert guard.step_ok(8, torch.tensor(1.0), torch.tensor(0.5)) is True
+        guard.on_loss(torch.tensor(float("nan") if rank == 1 else 1.0))
+        assert guard.check_step([torch.ones(3)]) is False
+        grad = torch.tensor([float("inf") if rank == 0 else 1.0])
+        assert guard.check_step([grad]) is False
+        assert guard.check_step([torch.ones(3)]) is True
+        assert guard.metrics() == {"skipped_steps": 2, "consecutive_skipped": 0}
     finally:
         dist.destroy_process_group()
 
