@@ -14,6 +14,7 @@ gradient), with NorMuon on every matrix including the MoE ones:
 import os
 import socket
 import sys
+import traceback
 
 import pytest
 import torch
@@ -105,6 +106,15 @@ def worker(rank, world, port, tmp):
         assert guard.check_step([grad]) is False
         assert guard.check_step([torch.ones(3)]) is True
         assert guard.metrics() == {"skipped_steps": 2, "consecutive_skipped": 0}
+        # Both ranks finish their last collective before either closes its sockets: a rank
+        # that tears down gloo while its peer still reads the last message aborts the peer.
+        dist.barrier()
+    except BaseException:
+        # mp.spawn reports only the first process to die, and a rank that fails an assertion
+        # can make its peer abort inside gloo first: keep every rank's own traceback.
+        with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -131,7 +141,11 @@ def test_fsdp2_two_processes_match_one_and_reshard(tmp_path):
     assert max((params_after_3[k] - v).abs().max() for k, v in
                _tiny.make_model(0).named_parameters()) > 1e-2
 
-    mp.spawn(worker, args=(2, free_port(), tmp), nprocs=2, join=True)
+    try:
+        mp.spawn(worker, args=(2, free_port(), tmp), nprocs=2, join=True)
+    except mp.ProcessExitedException as e:
+        errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+        raise AssertionError(f"{e}; tracebacks of the ranks that raised:\n" + "\n".join(errors)) from e
 
     # 3b. the 2-process checkpoint into 1 process
     dist_losses = torch.load(os.path.join(tmp, "dist.pt"))["losses_4_6_dist"]
