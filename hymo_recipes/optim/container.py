@@ -113,13 +113,35 @@ class HymoOptimizersContainer(OptimizersContainer):
                     logger.warning(
                         f"step {guard.last_skipped_step}: non-finite loss or gradient; optimizer "
                         f"step skipped, nothing updated ({guard.consecutive} in a row, "
-                        f"{guard.skipped_total} so far)"
+                        f"{guard.skipped_total} so far); {self.describe_nonfinite()}"
                     )
                     return
             for optimizer in self.optimizers:
                 optimizer.step(*args, **kwargs)
         finally:
             self.step_timer.stop(started)
+
+    def describe_nonfinite(self, limit: int = 5) -> str:
+        """Names this rank's parameters whose gradient or value is non-finite.
+
+        Only called on a skipped step (it syncs per parameter): a NaN loss with finite
+        gradients everywhere points at the forward or the data, a non-finite parameter at an
+        earlier update.
+        """
+        bad_grad, bad_param = [], []
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+                    bad_grad.append(name)
+                if not bool(torch.isfinite(_local(p.detach())).all()):
+                    bad_param.append(name)
+
+        def listed(names: list[str]) -> str:
+            more = f" and {len(names) - limit} more" if len(names) > limit else ""
+            return ", ".join(names[:limit]) + more if names else "none"
+
+        return (f"on this rank, non-finite gradients: {listed(bad_grad)}; "
+                f"non-finite parameters: {listed(bad_param)}")
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {}

@@ -256,3 +256,18 @@ def test_step_timer_counts_every_step():
 def test_bad_nan_guard_settings_are_clear_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         build(make_model(), **overrides)
+
+
+def test_skipped_step_names_the_nonfinite_gradients_and_parameters():
+    model = make_model()
+    opts, _ = build(model)
+    opts.zero_grad()
+    loss_fn(model, batch(1)).backward()
+    assert opts.describe_nonfinite() == ("on this rank, non-finite gradients: none; "
+                                         "non-finite parameters: none")
+    with torch.no_grad():
+        model.layers["0"].attn.q_proj.weight.grad[0, 0] = float("inf")
+        model.norm.weight[1] = float("nan")
+    assert opts.describe_nonfinite() == (
+        "on this rank, non-finite gradients: layers.0.attn.q_proj.weight; "
+        "non-finite parameters: norm.weight")
