@@ -12,7 +12,6 @@ gradient), with NorMuon on every matrix including the MoE ones:
 """
 
 import os
-import socket
 import sys
 import traceback
 
@@ -57,11 +56,14 @@ def full_params(model):
             for k, v in model.named_parameters()}
 
 
-def worker(rank, world, port, tmp):
+def worker(rank, world, tmp):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file store rather than tcp://: no store server thread on rank 0 that its peer may still
+    # be talking to when rank 0 exits (seen: rank 0 aborting with "terminate called without an
+    # active exception" after the test's work had finished), and no free-port race.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
                             world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -119,12 +121,6 @@ def worker(rank, world, port, tmp):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_fsdp2_two_processes_match_one_and_reshard(tmp_path):
     tmp = str(tmp_path)
@@ -142,7 +138,7 @@ def test_fsdp2_two_processes_match_one_and_reshard(tmp_path):
                _tiny.make_model(0).named_parameters()) > 1e-2
 
     try:
-        mp.spawn(worker, args=(2, free_port(), tmp), nprocs=2, join=True)
+        mp.spawn(worker, args=(2, tmp), nprocs=2, join=True)
     except mp.ProcessExitedException as e:
         errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
         raise AssertionError(f"{e}; tracebacks of the ranks that raised:\n" + "\n".join(errors)) from e
