@@ -19,21 +19,7 @@ RESULTS=${OUT:-outputs/gpu_smoke}
 RUN_DIR=${RUN_DIR:-outputs/gpu_smoke_run}  # checkpoints stay here, outside $OUT (GBs)
 mkdir -p "${RESULTS}"
 
-for f in data/brown/train.parquet assets/tokenizer/tokenizer.json; do
-    [ -f "$f" ] || { echo "gpu_smoke: missing $f; carry data/brown and assets/tokenizer" >&2; exit 1; }
-done
-# Without an install: TorchTitan from the carried wheels, kernels/ linked under its import name
-# hymo_kernels (pip's editable install maps it), the repository itself on the path.
-if ! python3 -c "import torchtitan" 2>/dev/null; then
-    ls .whl/*.whl >/dev/null || { echo "gpu_smoke: no torchtitan and no .whl/ to install it from" >&2; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "${SITE}" .whl/*.whl
-fi
-if ! python3 -c "import hymo_kernels" 2>/dev/null; then
-    mkdir -p "${SITE}"
-    ln -sfn "${PWD}/kernels" "${SITE}/hymo_kernels"
-fi
-export PYTHONPATH="${SITE}:${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
+NAME=gpu_smoke . scripts/gpu_env.sh
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__)"
