@@ -26,6 +26,10 @@ class Hymo:
     reference. Applied by ``HymoModelArgs.update_from_config``; ``parallelize_hymo`` refuses a
     model built with another backend, and a backend that cannot run raises: nothing falls back
     silently."""
+    nonfinite_probe: bool = False
+    """Debugging: log, for each forward, the first module whose output is NaN/Inf while its
+    inputs are finite (hymo_recipes/nonfinite_probe.py); with compile, which compiled block, and
+    whether an eager replay of that block goes non-finite too. Syncs the device per module."""
 
 
 @dataclass

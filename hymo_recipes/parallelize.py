@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hymo_recipes._titan import TORCH_DTYPE_MAP, apply_ac, logger
+from hymo_recipes.nonfinite_probe import NonfiniteProbe
 
 # Selective (per-op) activation checkpointing keeps these ops' outputs instead of recomputing
 # them: the matmuls and attention kernels that dominate recompute time, FSDP's
@@ -42,12 +43,16 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
         raise ValueError(f"[hymo] gdn_backend = {wanted!r} was not applied: the model was built "
                          f"with {model.model_args.gdn_backend!r}")
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
-
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
     if compile_model:
         apply_compile(model, job_config.compile.backend)
+    if hymo is not None and hymo.nonfinite_probe:
+        # After compile (it watches compiled blocks as wholes), before FSDP: its hooks must run
+        # before FSDP's post-forward reshard, so that an eager replay sees whole parameters.
+        model.nonfinite_probe = NonfiniteProbe(model)
+        logger.warning("[hymo] nonfinite_probe is on: module outputs are checked every step (slow)")
 
     if parallel_dims.dp_replicate_enabled:
         mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"])  # HSDP

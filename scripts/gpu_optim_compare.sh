@@ -10,7 +10,8 @@
 # on repeated data, one seed, untuned AdamW lr (the config's optimizer.lr, 3e-4; set
 # ADAMW_LR=... to try another). Schedule for both: HyMo's WSD (2% / 83% / 15%) over the 200
 # steps. No checkpoints, no validation. Expected wall time on one H200: about 2 minutes per run
-# (~45 s of it compiling), under 8 minutes in all; each run is cut at RUN_TIMEOUT seconds.
+# (~45 s of it compiling), under 8 minutes in all (half that on two GPUs, where the runs go
+# side by side); each run is cut at RUN_TIMEOUT seconds.
 #
 # Like scripts/gpu_smoke.sh, for a machine with the repository copy but no HyMo install and no
 # network; carry [".whl", "data/brown", "assets/tokenizer"], run "bash scripts/gpu_optim_compare.sh"
@@ -41,26 +42,34 @@ fi
 python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__)"
 
 status=0
-run() {  # run NAME [overrides...]
-    local name=$1; shift
+run() {  # run NAME GPU [overrides...]
+    local name=$1 gpu=$2; shift 2
     rm -rf "${RUN_DIR:?}/${name}"
     local start=$SECONDS
     set +e
-    NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" timeout "${RUN_TIMEOUT}" ./run_train.sh \
+    CUDA_VISIBLE_DEVICES=${gpu} NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" timeout "${RUN_TIMEOUT}" ./run_train.sh \
         --training.steps "${STEPS}" --metrics.log_freq 1 --debug.seed 42 --checkpoint.no-enable \
         --job.dump_folder "${RUN_DIR}/${name}" ${EXTRA[@]+"${EXTRA[@]}"} "$@" > "${RESULTS}/${name}.log" 2>&1
     local rc=$?
     set -e
     echo "${name}: exit ${rc}, $((SECONDS - start)) s wall"
     if [ "${rc}" -ne 0 ]; then
-        status=${rc}
         tail -n 30 "${RESULTS}/${name}.log" | sed -E 's/\x1b\[[0-9;]*m//g'
     fi
     cp -r "${RUN_DIR}/${name}/tb" "${RESULTS}/tb_${name}" 2>/dev/null || true
+    return "${rc}"
 }
 
-run normuon "$@"
-run adamw --optimizer.name AdamW ${ADAMW_LR:+--optimizer.lr "${ADAMW_LR}"} "$@"
+# Two GPUs: both runs at once, one per GPU (same model, data and seed; nothing shared but the
+# host). One GPU (or CPU): one after the other.
+if [ "${DRY:-0}" != 1 ] && [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ]; then
+    run normuon 0 "$@" & pid=$!
+    run adamw 1 --optimizer.name AdamW ${ADAMW_LR:+--optimizer.lr "${ADAMW_LR}"} "$@" || status=$?
+    wait "${pid}" || status=$?
+else
+    run normuon "${CUDA_VISIBLE_DEVICES:-0}" "$@" || status=$?
+    run adamw "${CUDA_VISIBLE_DEVICES:-0}" --optimizer.name AdamW ${ADAMW_LR:+--optimizer.lr "${ADAMW_LR}"} "$@" || status=$?
+fi
 
 echo "================ gpu_optim_compare: ${CONFIG}, ${STEPS} steps, seed 42 ================"
 python3 scripts/optim_compare_table.py "NorMuon+CautiousAdamW=${RUN_DIR}/normuon" \

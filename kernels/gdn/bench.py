@@ -1,6 +1,7 @@
 """GDN kernel benchmark (GPU): ours vs flash-linear-attention vs the eager PyTorch reference.
 
-    python -m hymo_kernels.gdn.bench [--sweep] [--shapes 4,4096,40,32,32 ...] [--no-fla] [--no-eager]
+    python -m hymo_kernels.gdn.bench [--shapes 4,4096,40,32,32 ...] [--tuning tune.json] [--no-fla] [--no-eager]
+    python -m hymo_kernels.gdn.bench --tune [--budget-s 270] [--json tune.json] [--shapes ...]
 
 In one run, for each (B, T, H, K, V): parity first (bf16 and fp32, ours against the float64
 per-token recurrence on a slice of batch rows/heads, every output and gradient, relative error
@@ -13,6 +14,15 @@ All three are called the same way: q, k raw (L2-normalised in the kernel, fla's
 ``use_qk_l2norm_in_kernel=True``; the eager reference normalises them first), v, beta bf16,
 g fp32 (as the model makes them), no initial state, no final state.
 
+``--tune`` (GPU) tunes the launch of each kernel alone, on its own inputs, per shape (K = V =
+128 first): parity of the default config (bf16, fp32), then the chunk size BT (every kernel at
+its default launch), then per kernel warps × column tile at one stage and then the stage count
+(triton.testing.do_bench each). Worker processes precompile each batch of variants in parallel
+into Triton's cache first. It prints the winners as ``chunk.TABLE`` entries, checks the tuned
+config's bf16 parity and times fwd+bwd with the default and the tuned config (fla: live at the
+end if the budget allows, else the numbers from the notes), within ``--budget-s``, writing the
+JSON after every shape.
+
 fla-core refuses to run its gated backward on Hopper with Triton < 3.7.1 (fla issue #640: a
 miscompilation gives a wrong dg). For timing only, this script lifts that guard, says so in
 its output, and reports the errors fla's gradients then have.
@@ -24,6 +34,8 @@ import argparse
 import dataclasses
 import datetime
 import json
+import multiprocessing
+import os
 import sys
 import time
 
@@ -148,8 +160,9 @@ def fwd_bwd_grads(impl, x, h0, do, dht):
                 dbeta=t["beta"].grad, dh0=h.grad)
 
 
-def parity(shape, impls, heads):
-    """Errors of each implementation against the fp64 recurrence on batch row 0, `heads`."""
+def parity(shape, impls, heads, fast_ref=False):
+    """Errors of each implementation against the fp64 recurrence on batch row 0, `heads`
+    (fast_ref: the float64 chunked torch reference at every T, seconds instead of minutes)."""
     B, T, H, K, V = shape
     xb = make_inputs(shape, torch.bfloat16, seed=1)
     gen = torch.Generator(device=DEVICE).manual_seed(2)
@@ -164,7 +177,7 @@ def parity(shape, impls, heads):
     t0 = time.time()
     # the per-token loop costs ~50 s at T = 32768; there the float64 chunked torch reference
     # stands in (it matches the recurrence to ~1e-15 in float64)
-    if T >= 16384:
+    if T >= 16384 or fast_ref:
         from hymo_kernels.gdn.chunk_torch import chunk_gated_delta_rule_torch as ref_fn
         ref_name = "fp64 chunked torch reference"
     else:
@@ -273,85 +286,467 @@ def copy_bandwidth():
 
 
 # --------------------------------------------------------------------------------------------
-# tuning sweep (coordinate descent over the per-kernel choices, fwd+bwd time)
+# --tune: kernel-by-kernel launch tuning (each kernel timed alone on its own inputs)
 # --------------------------------------------------------------------------------------------
 
-VARIANTS = {
-    "wy_inverse": [KernelCfg(1), KernelCfg(2)],
-    "fwd_prep": [KernelCfg(1), KernelCfg(2)],
-    "fwd_out": [KernelCfg(1), KernelCfg(2)],
-    "bwd_prep": [KernelCfg(1), KernelCfg(2)],
-    "bwd_local": [KernelCfg(1), KernelCfg(2), KernelCfg(4)],
-}
+# K = V = 128 first: it has never been timed, and earlier runs ran out of time before it
+TUNE_SHAPES = [(4, 4096, 16, 128, 128), (4, 4096, 40, 32, 32), (1, 32768, 40, 32, 32), (8, 4096, 40, 32, 32)]
+# fla-core 0.6 fwd+bwd on an H200 with the Hopper guard lifted, 2026-11-29 (BENCHMARKS.md,
+# KERNEL_NOTES.md): printed beside ours when fla is not timed live in the same run
+FLA_NOTES_MS = {(4, 4096, 40, 32, 32): 2.922, (1, 32768, 40, 32, 32): 4.327, (8, 4096, 40, 32, 32): 4.054,
+                (4, 4096, 16, 128, 128): 3.16}
+_TILED = {"fwd_prep", "bwd_prep", "fwd_out", "bwd_local", "state_pass"}
 
 
-def sweep(shape, base=None, per_kernel=True, bts=(64, 128), pass_warps=True):
-    B, T, H, K, V = shape
-    base = base or gdn_chunk.get_config(K, V, B * H)
-    results = []
+class Deadline:
+    def __init__(self, budget_s):
+        self.t0 = time.time()
+        self.end = self.t0 + budget_s
 
-    def measure(cfg):
-        gdn_chunk.TUNING[(K, V)] = cfg
+    def left(self):
+        return self.end - time.time()
+
+    def elapsed(self):
+        return time.time() - self.t0
+
+
+def _pow2s(lo, hi):
+    out, x = [], lo
+    while x <= hi:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def tile_choices(kname, K, V):
+    """Legal column tiles of a kernel (≥ 16: tl.dot needs it)."""
+    if kname in ("fwd_prep", "bwd_prep"):
+        return _pow2s(32, min(128, gdn_chunk.triton_next_pow2(K + V)))
+    if kname in ("fwd_out", "bwd_local"):
+        return _pow2s(max(16, V // 4), V)
+    if kname == "state_pass":
+        return _pow2s(16, min(64, V))
+    return [0]
+
+
+def with_kernel(cfg, kname, kc):
+    return dataclasses.replace(cfg, **{kname: kc})
+
+
+def kcfg_str(cfg, kname):
+    kc = getattr(cfg, kname)
+    t = f" block={cfg.tile(kname)}" if kname in _TILED else ""
+    return f"w={kc.num_warps} s={kc.num_stages}{t}"
+
+
+class Case:
+    """Inputs of one (shape, dtype, BT) and zero-filled intermediates of the right shapes, so
+    that each kernel can be launched (and timed) alone. No data-dependent control flow in the
+    kernels, so the values of the intermediates do not change the time."""
+
+    def __init__(self, shape, dtype, cfg, seed=0):
+        B, T, H, K, V = shape
+        x = make_inputs(shape, dtype, seed=seed)
+        self.do = torch.randn_like(x["v"])
+        self.p = gdn_chunk.make_problem(x["q"], x["k"], x["v"], x["g"], x["beta"], None, K**-0.5, True, cfg)
+        p, z = self.p, dict(dtype=torch.float32, device=DEVICE)
+        self.tinv = torch.zeros(B, T, H, cfg.BC, **z)
+        self.mn = torch.zeros(p.NC, H, K, K + V, **z)
+        self.mr = torch.zeros(p.NC, H, K, K + V, **z)
+        self.states = torch.zeros(p.NC, H, K, V, **z)
+        self.dstates = torch.zeros(p.NC, H, K, V, **z)
+
+    def fn(self, kname, cfg):
+        """A closure that launches kernel `kname` (both directions for the state pass) with cfg."""
+        if cfg.BT != self.p.cfg.BT or cfg.BC != self.p.cfg.BC:
+            raise ValueError("a Case is built for one BT and BC")
+        p, c = dataclasses.replace(self.p, cfg=cfg), gdn_chunk
+        return {
+            "wy_inverse": lambda: c.run_wy_inverse(p),
+            "fwd_prep": lambda: c.run_fwd_prep(p, self.tinv),
+            "state_pass": lambda: (c.run_state_pass(p, self.mn, None, False),
+                                   c.run_state_pass(p, self.mr, None, True)),
+            "fwd_out": lambda: c.run_fwd_out(p, self.tinv, self.states),
+            "bwd_prep": lambda: c.run_bwd_prep(p, self.tinv, self.do),
+            "bwd_local": lambda: c.run_bwd_local(p, self.tinv, self.do, self.states, self.dstates),
+        }[kname]
+
+
+# ---- parallel precompilation: Triton compiles on the first launch, one kernel at a time; worker
+# processes launch every variant once so that it lands in Triton's on-disk cache, and the timing
+# process then only loads it. Workers and the timer never run at the same time.
+
+_WORKER_CASE: dict = {}
+
+
+def _job_key(job):
+    shape, dtype, cfg, what = job
+    return (shape, str(dtype), what, cfg)
+
+
+def _precompile_job(job):
+    """Worker: launch one kernel (what = kernel name) or one fwd+bwd (what = 'e2e') once."""
+    global DEVICE
+    device, shape, dtype_name, cfg_d, what = job
+    DEVICE = device
+    dtype = getattr(torch, dtype_name)
+    cfg = config_from_dict(cfg_d)
+    try:
+        if what == "e2e":
+            gdn_chunk.TUNING[shape[3:]] = cfg
+            try:
+                x = make_inputs(shape, dtype)
+                t = [x[n].requires_grad_() for n in NAMES]
+                o, _ = ours(*t)  # as timed: no state arguments
+                o.backward(torch.ones_like(o))
+                B, T, H, K, V = shape  # as in parity(): initial and final state (other constexprs)
+                h0 = torch.zeros(B, H, K, V, device=DEVICE, requires_grad=True)
+                o, ht = ours(*t, initial_state=h0, output_final_state=True)
+                torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+            finally:
+                gdn_chunk.TUNING.pop(shape[3:], None)
+        else:
+            key = (shape, dtype_name, cfg.BT, cfg.BC)
+            if key not in _WORKER_CASE:
+                _WORKER_CASE.clear()  # one case at a time: they can be GBs
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                _WORKER_CASE[key] = Case(shape, dtype, cfg)
+            _WORKER_CASE[key].fn(what, cfg)()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{what} {cfg_d}: {e!r}"[:400]
+
+
+class Precompiler:
+    def __init__(self, jobs):
+        self.jobs = jobs
+        self.pool = None
+        self.done = set()
+        if jobs > 0:
+            self.pool = multiprocessing.get_context("spawn").Pool(jobs)
+
+    def run(self, jobs, deadline, label):
+        """Launch each (shape, dtype, cfg, what) once in the workers; False if the budget ran out."""
+        todo, seen = [], set()
+        for j in jobs:
+            k = _job_key(j)
+            if k not in self.done and k not in seen:
+                seen.add(k)
+                todo.append(j)
+        if self.pool is None or not todo:
+            return True
+        from hymo_kernels.gdn import bench as mod  # a named module: picklable under `python -m`
+
+        t0 = time.time()
+        args = [(DEVICE, s, str(d)[6:], dataclasses.asdict(c), w) for s, d, c, w in todo]
+        res = self.pool.map_async(mod._precompile_job, args, chunksize=1)
         try:
-            t = time_impl(ours, shape, rep=60)[1]
-        except Exception as e:  # noqa: BLE001
-            log(f"    {cfg}: failed {e!r}")
-            t = float("inf")
-        results.append((t, cfg))
-        return t
+            errs = res.get(timeout=max(1.0, deadline.left()))
+        except multiprocessing.TimeoutError:
+            log(f"  precompile ({label}): budget ran out after {time.time() - t0:.0f}s; stopping the workers")
+            self.close(terminate=True)
+            return False
+        self.done.update(_job_key(j) for j in todo)
+        bad = [e for e in errs if e]
+        log(f"  precompiled {len(todo)} launches ({label}) in {time.time() - t0:.1f}s with {self.jobs} workers"
+            + (f", {len(bad)} failed (they time as inf), first: {bad[0]}" if bad else ""))
+        return True
 
-    best_t = measure(base)
-    best = base
-    for kname, variants in (VARIANTS.items() if per_kernel else ()):
-        for kc in variants:
-            if kc == getattr(best, kname):
-                continue
-            cfg = dataclasses.replace(best, **{kname: kc})
-            t = measure(cfg)
-            log(f"    {kname}={kc.num_warps}w: {t:.3f} ms (best {best_t:.3f})")
-            if t < best_t:
-                best_t, best = t, cfg
+    def close(self, terminate=False):
+        if self.pool is not None:
+            (self.pool.terminate if terminate else self.pool.close)()
+            self.pool.join()
+            self.pool = None
+
+
+def config_from_dict(d):
+    d = dict(d)
+    for n in gdn_chunk.KERNELS:
+        if n in d and isinstance(d[n], dict):
+            d[n] = KernelCfg(**d[n])
+    return Config(**d)
+
+
+def bench_ms(fn, rep=20):
+    if DEVICE == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def time_kernel(case, kname, cfg):
+    try:
+        fn = case.fn(kname, cfg)
+        fn()
+        return bench_ms(fn)
+    except Exception as e:  # noqa: BLE001
+        log(f"    {kname} {kcfg_str(cfg, kname)}: failed: {e!r}"[:300])
+        return float("inf")
+
+
+def kernel_variants(kname, cfg, K, V, warps, stages):
+    """Round A: the default, then warps × column tile at 1 stage; round B: the other stage
+    counts at round A's winner (the inverse kernel has no loop, so no stages for it)."""
+    tiles = tile_choices(kname, K, V) if kname in _TILED else [0]
+    a = [getattr(cfg, kname)] + [KernelCfg(w, 1, t) for w in warps for t in tiles]
+    b = [] if kname == "wy_inverse" or not [s for s in stages if s != 1] else [1] + [s for s in stages if s != 1]
+    return a, b
+
+
+def fwdbwd_ms(impl, shape, rep=100):
+    x = make_inputs(shape, torch.bfloat16)
+    t = [x[n].requires_grad_() for n in NAMES]
+    do = torch.randn_like(x["v"])
+
+    def fb():
+        o, _ = impl(*t)
+        o.backward(do)
+
+    fb()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        import triton.testing
+
+        return triton.testing.do_bench(fb, warmup=10, rep=rep, grad_to_none=t, return_mode="median")
+    return bench_ms(fb)
+
+
+def table_entry(cfg, K, V, NH):
+    """The chunk.TABLE entry (Python source) for a tuned config at NH = sequences × heads: its BT
+    is BT_FEW when NH < 128; the other chunk size stays the table's current one."""
+    if NH >= 128:
+        bt, bt_few = cfg.BT, gdn_chunk.get_config(K, V, 1).BT
+    else:
+        bt, bt_few = gdn_chunk.get_config(K, V, 256).BT, cfg.BT
+    ks = []
+    for n in gdn_chunk.KERNELS:
+        kc = getattr(cfg, n)
+        ks.append(f"{n}=({kc.num_warps}, {kc.num_stages}" + (f", {cfg.tile(n)})" if n in _TILED else ")"))
+    return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
+            f"BV_PASS={cfg.BV_PASS}, " + ", ".join(ks) + "),")
+
+
+def tune_shape(shape, args, pre, deadline, fla_impl, out):
+    B, T, H, K, V = shape
+    rec = out["shapes"].setdefault(",".join(map(str, shape)), {})
+    base = gdn_chunk.get_config(K, V, B * H)
+    rec["default"] = dataclasses.asdict(base)
+    log(f"  default: {base}")
+    warps = [int(w) for w in args.warps.split(",")]
+    stages = [int(s) for s in args.stages.split(",")]
+    bts = [bt for bt in (int(b) for b in args.bts.split(",")) if bt % base.BC == 0]
+
+    # 0. precompile, in parallel: every kernel at every BT (the default BT first), the fp32
+    # kernels for the parity check, then whole fwd+bwd calls (these also reach the state-pass
+    # variants with initial/final state that parity() uses); a worker runs a job's kernels in
+    # series, so the kernels go first as separate jobs
+    dtypes = [torch.bfloat16] + ([] if args.no_parity else [torch.float32])
+    jobs = [(shape, d, base, k) for d in dtypes for k in gdn_chunk.KERNELS]
+    jobs += [(shape, torch.bfloat16, dataclasses.replace(base, BT=bt), k) for bt in bts for k in gdn_chunk.KERNELS]
+    jobs += [(shape, d, base, "e2e") for d in dtypes]
+    if not pre.run(jobs, deadline, "defaults, all BT"):
+        return False
+
+    # 1. parity of the default config (bf16 and fp32 vs the float64 reference)
+    if not args.no_parity:
+        prow = parity(shape, [("ours", ours, torch.bfloat16), ("ours", ours, torch.float32)], [0, H - 1],
+                      fast_ref=True)
+        rec["parity_default"] = [dict(dtype=str(r[1]), errors=r[2], ok=r[3]) for r in prow]
+        if not all(r[3] for r in prow):
+            log("  parity FAILED with the default config: timing anyway, but no speed-up counts")
+    if deadline.left() < 5:
+        return False
+
+    # 2. chunk size: every kernel at its default launch, per BT (state pass = both directions)
+    bt_ms = {}
     for bt in bts:
-        for bvp in (16, 32):
-            if (bt, bvp) == (best.BT, best.BV_PASS) or bvp > V:
-                continue
-            cfg = dataclasses.replace(best, BT=bt, BV_PASS=bvp)
-            t = measure(cfg)
-            log(f"    BT={bt} BV_PASS={bvp}: {t:.3f} ms (best {best_t:.3f})")
-            if t < best_t:
-                best_t, best = t, cfg
-    for nwp in ((1, 2, 4) if pass_warps else ()):
-        if nwp == best.num_warps_pass:
+        cfg = dataclasses.replace(base, BT=bt)
+        case = Case(shape, torch.bfloat16, cfg)
+        per = {k: time_kernel(case, k, cfg) for k in gdn_chunk.KERNELS}
+        bt_ms[bt] = sum(per.values())
+        log(f"  BT={bt:3d}: sum {bt_ms[bt]:.3f} ms  " + " ".join(f"{k}={v:.3f}" for k, v in per.items()))
+        del case
+    best_bt = min(bt_ms, key=bt_ms.get)
+    rec["bt_sum_ms"] = bt_ms
+    cfg = dataclasses.replace(base, BT=best_bt)
+    log(f"  -> BT={best_bt} (t = {deadline.elapsed():.0f}s)")
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+    # 3. per kernel, round A (warps × tile, 1 stage) then round B (stages at A's winner)
+    case = Case(shape, torch.bfloat16, cfg)
+    variants = {k: kernel_variants(k, cfg, K, V, warps, stages) for k in gdn_chunk.KERNELS}
+    rec["kernels"] = {}
+    for rnd in (0, 1):
+        jobs = []
+        for k, (va, vb) in variants.items():
+            for v in (va if rnd == 0 else vb):
+                kc = v if rnd == 0 else dataclasses.replace(getattr(cfg, k), num_stages=v)
+                jobs.append((shape, torch.bfloat16, with_kernel(cfg, k, kc), k))
+        if not jobs:
             continue
-        cfg = dataclasses.replace(best, num_warps_pass=nwp)
-        t = measure(cfg)
-        log(f"    num_warps_pass={nwp}: {t:.3f} ms (best {best_t:.3f})")
-        if t < best_t:
-            best_t, best = t, cfg
-    gdn_chunk.TUNING.pop((K, V), None)
-    return best, best_t
+        if not pre.run(jobs, deadline, f"round {'AB'[rnd]}"):
+            return False
+        for k in gdn_chunk.KERNELS:
+            cands = [j[2] for j in jobs if j[3] == k]
+            if not cands:
+                continue
+            rows = []
+            for c in cands:
+                if any(c.tile(k) == r[1].tile(k) and getattr(c, k).num_warps == getattr(r[1], k).num_warps
+                       and getattr(c, k).num_stages == getattr(r[1], k).num_stages for r in rows):
+                    continue
+                rows.append((time_kernel(case, k, c), c))
+            rows.sort(key=lambda r: r[0])
+            t_def = rows[[r[1] for r in rows].index(cands[0])][0] if rnd == 0 else None
+            best_t, best = rows[0]
+            cfg = with_kernel(cfg, k, getattr(best, k))
+            if k in _TILED:  # make the tile explicit, so the table entry says it
+                cfg = with_kernel(cfg, k, dataclasses.replace(getattr(cfg, k), block=best.tile(k)))
+            rec["kernels"].setdefault(k, []).extend(
+                dict(cfg=dataclasses.asdict(getattr(c, k)), tile=c.tile(k), ms=t) for t, c in rows)
+            log(f"  {k:10s} round {'AB'[rnd]}: best {kcfg_str(best, k)} {best_t:.4f} ms"
+                + (f" (default {t_def:.4f})" if t_def is not None else "")
+                + "   top: " + ", ".join(f"[{kcfg_str(c, k)}] {t:.4f}" for t, c in rows[1:4]))
+            if deadline.left() < 5:
+                return False
+    del case
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    tuned = cfg
+    rec["tuned"] = dataclasses.asdict(tuned)
+    rec["table_entry"] = table_entry(tuned, K, V, B * H)
+    log(f"  tuned: {tuned}")
+    log(f"  TABLE entry: {rec['table_entry']}")
+
+    # 4. end to end, bf16 fwd+bwd: default vs tuned (parity of the tuned config first)
+    if not pre.run([(shape, torch.bfloat16, tuned, "e2e")], deadline, "tuned e2e"):
+        return False
+    gdn_chunk.TUNING[(K, V)] = tuned
+    try:
+        if not args.no_parity:
+            prow = parity(shape, [("ours", ours, torch.bfloat16)], [0, H - 1], fast_ref=True)
+            rec["parity_tuned"] = [dict(dtype=str(r[1]), errors=r[2], ok=r[3]) for r in prow]
+        t_tuned = fwdbwd_ms(ours, shape)
+    finally:
+        gdn_chunk.TUNING.pop((K, V), None)
+    t_def = fwdbwd_ms(ours, shape)
+    fla_ms = FLA_NOTES_MS.get(shape, float("nan"))
+    rec["fwdbwd_ms"] = dict(default=t_def, tuned=t_tuned, fla_notes=fla_ms)
+    log(f"  fwd+bwd bf16: default {t_def:.3f} ms, tuned {t_tuned:.3f} ms ({t_def / t_tuned:.2f}x); "
+        f"fla {fla_ms:.3f} ms (notes, 2026-11-29; live fla below if timed) -> tuned {fla_ms / t_tuned:.2f}x fla"
+        f"  (t = {deadline.elapsed():.0f}s)")
+    return True
 
 
-# --------------------------------------------------------------------------------------------
+def tune(args, fla_impl, out):
+    global DEVICE
+    shapes = [tuple(int(s) for s in a.split(",")) for a in args.shapes] if args.shapes else TUNE_SHAPES
+    deadline = Deadline(args.budget_s)
+    jobs = args.jobs
+    if jobs is None:
+        jobs = 0 if DEVICE == "cpu" else max(1, min(12, (os.cpu_count() or 2) - 2))
+    log(f"# --tune: shapes {shapes}, budget {args.budget_s:.0f}s, warps {args.warps}, stages {args.stages}, "
+        f"BT {args.bts}, {jobs} precompile workers")
+    pre = Precompiler(jobs)
+    out["tune"] = dict(shapes=[list(s) for s in shapes], budget_s=args.budget_s)
+    out.setdefault("shapes", {})
+    completed = []
+    try:
+        for shape in shapes:
+            log(f"## tune {shape} (t = {deadline.elapsed():.0f}s, {deadline.left():.0f}s left)")
+            if deadline.left() < 10:
+                log("  budget spent: stopping")
+                break
+            try:
+                ok = tune_shape(shape, args, pre, deadline, fla_impl, out)
+            except Exception as e:  # noqa: BLE001
+                import traceback
 
+                traceback.print_exc()
+                log(f"  tuning {shape} failed: {e!r}")
+                ok = False
+            if ok:
+                completed.append(shape)
+            else:
+                log(f"  {shape}: stopped early (budget or error); results so far are in the JSON")
+            write_json(args, out)
+            if pre.pool is None and jobs > 0:  # the workers were stopped: the budget is spent
+                break
+    finally:
+        pre.close(terminate=True)
+
+    # live fla, last (its autotuning is slow, so it must not eat the tuning budget)
+    if fla_impl is not None:
+        for shape in sorted(completed, key=lambda s: s[3] * s[4]):  # small heads first: fla autotunes slowly
+            if deadline.left() < 30:
+                log(f"fla live timing skipped at {shape}: budget")
+                continue
+            try:
+                t = fwdbwd_ms(fla_impl, shape)
+            except Exception as e:  # noqa: BLE001
+                log(f"fla live timing failed at {shape}: {e!r}")
+                continue
+            out["shapes"][",".join(map(str, shape))]["fwdbwd_ms"]["fla_live"] = t
+            log(f"fla live fwd+bwd {shape}: {t:.3f} ms (t = {deadline.elapsed():.0f}s)")
+            write_json(args, out)
+
+    log("")
+    log("# tune summary (bf16 fwd+bwd, median ms)")
+    log(f"{'shape':24s} {'default':>8s} {'tuned':>8s} {'gain':>6s} {'fla':>8s} {'vs fla':>7s}  parity(default/tuned)")
+    for key, rec in out["shapes"].items():
+        fb = rec.get("fwdbwd_ms")
+        if not fb:
+            continue
+        fla = fb.get("fla_live", fb["fla_notes"])
+        pd = all(r["ok"] for r in rec.get("parity_default", [])) if "parity_default" in rec else None
+        pt = all(r["ok"] for r in rec.get("parity_tuned", [])) if "parity_tuned" in rec else None
+        log(f"{key:24s} {fb['default']:8.3f} {fb['tuned']:8.3f} {fb['default'] / fb['tuned']:5.2f}x {fla:8.3f} "
+            f"{fla / fb['tuned']:6.2f}x  {pd}/{pt}" + ("" if "fla_live" in fb else "  (fla from notes)"))
+    log("# chunk.TABLE entries (per shape; BT_FEW applies when sequences x heads < 128):")
+    for key, rec in out["shapes"].items():
+        if "table_entry" in rec:
+            log(f"#   {key}: {rec['table_entry']}")
+    write_json(args, out)
+
+
+def write_json(args, out):
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,K,V ...")
-    ap.add_argument("--sweep", action="store_true", help="tune the per-kernel choices first")
-    ap.add_argument("--sweep-shapes", nargs="*", default=None)
-    ap.add_argument("--quick-sweep", action="store_true", help="per-kernel warps only, first sweep shape")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="B,T,H,K,V ... (default: the four issue shapes; with --tune K = V = 128 first)")
+    ap.add_argument("--tune", action="store_true",
+                    help="GPU launch tuning, kernel by kernel (warps, stages, tiles, BT); prints chunk.TABLE entries")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="--tune: wall-clock budget in seconds")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="--tune: processes precompiling the variants in parallel (0: none; default cores - 2, <= 12)")
+    ap.add_argument("--warps", default="1,2,4,8", help="--tune: num_warps choices")
+    ap.add_argument("--stages", default="1,2,3", help="--tune: num_stages choices")
+    ap.add_argument("--bts", default="64,128,256", help="--tune: chunk sizes (multiples of BC)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--no-parity", action="store_true")
-    ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes: tests this script")
-    ap.add_argument("--tuning", default=None, help="JSON of configs keyed 'B,T,H,K,V' (from --sweep)")
+    ap.add_argument("--json", default=None, help="write the results here (with --tune: after every shape)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, under TRITON_INTERPRET=1, tiny shapes: tests this script's code paths")
+    ap.add_argument("--tuning", default=None,
+                    help="JSON from --tune (its per-shape 'tuned' configs) or of configs keyed 'B,T,H,K,V'")
     args = ap.parse_args(argv)
-    shapes = [tuple(int(s) for s in a.split(",")) for a in args.shapes] if args.shapes else SHAPES
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"
+    default_shapes = TUNE_SHAPES if args.tune else SHAPES
+    shapes = [tuple(int(s) for s in a.split(",")) for a in args.shapes] if args.shapes else default_shapes
 
     import triton
 
@@ -359,6 +754,11 @@ def main(argv=None):
     log(f"# GDN benchmark {datetime.datetime.now().isoformat(timespec='seconds')} on {dev}, "
         f"torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}")
     fla_impl = None if args.no_fla else load_fla()
+    if args.tune:
+        out = dict(device=dev, torch=torch.__version__, triton=triton.__version__, shapes={})
+        args.shapes = [",".join(map(str, s)) for s in shapes]
+        tune(args, fla_impl, out)
+        return
     eager_impl = None if args.no_eager else load_eager()
     bw = copy_bandwidth() if DEVICE == "cuda" else float("nan")
     log(f"device-to-device copy bandwidth: {bw:.2f} TB/s (bytes read + written)")
@@ -366,28 +766,11 @@ def main(argv=None):
 
     tuned: dict[tuple, Config] = {}
     if args.tuning:
-        for key, d in json.load(open(args.tuning)).items():
-            d = dict(d)
-            for kname in VARIANTS:
-                d[kname] = KernelCfg(**d[kname])
-            tuned[tuple(int(s) for s in key.split(","))] = Config(**d)
-    if args.sweep:
-        sweep_shapes = ([tuple(int(s) for s in a.split(",")) for a in args.sweep_shapes]
-                        if args.sweep_shapes else shapes)
-        first = None
-        if args.quick_sweep:
-            sweep_shapes = sweep_shapes[:1]
-        for shape in sweep_shapes:
-            log(f"## sweep at {shape}" + ("" if first is None else " (chunk size and pass only)"))
-            t0 = time.time()
-            same_dims = first is not None and first[0][3:] == shape[3:]
-            best, t = sweep(shape, base=first[1] if same_dims else None, per_kernel=not same_dims,
-                            bts=() if args.quick_sweep else (64, 128) if not same_dims else (64, 128, 256),
-                            pass_warps=not args.quick_sweep)
-            first = first or (shape, best)
-            tuned[shape] = best
-            log(f"  best {t:.3f} ms: {best} ({time.time() - t0:.0f}s)")
-        result["tuned"] = {",".join(map(str, s)): dataclasses.asdict(c) for s, c in tuned.items()}
+        data = json.load(open(args.tuning))
+        if "shapes" in data:  # the JSON --tune writes
+            data = {k: r["tuned"] for k, r in data["shapes"].items() if "tuned" in r}
+        for key, d in data.items():
+            tuned[tuple(int(s) for s in key.split(","))] = config_from_dict(d)
 
     table = []
     t_start = time.time()

@@ -41,10 +41,13 @@ _HINT = 'set the model arg gdn_backend = "torch_chunk" (or "naive") to run the P
 
 @dataclasses.dataclass(frozen=True)
 class KernelCfg:
-    """Per-kernel launch choice: warps and software-pipelining stages."""
+    """Per-kernel launch choice: warps, software-pipelining stages and, where the kernel has
+    one, its column tile (``block``: BZ of the prep kernels, BV of the output/gradient kernels,
+    BV of the state pass; 0 means the Config's shared BZ / BV / BV_PASS)."""
 
     num_warps: int = 2
     num_stages: int = 1
+    block: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Config:
     BC: tokens per sub-chunk, the unit of the WY algebra (16 or 32; T = (I + A)⁻¹ is BC×BC);
     BZ: augmented columns per program in the prep kernels; BV: value columns per program in
     the output and gradient kernels (V > BV makes dq/dk/dg/dβ partial sums); BV_PASS: value
-    columns per program in the state pass."""
+    columns per program in the state pass. A kernel's ``KernelCfg.block`` overrides its tile."""
 
     BT: int = 64
     BC: int = 16
@@ -65,25 +68,75 @@ class Config:
     fwd_out: KernelCfg = KernelCfg()
     bwd_prep: KernelCfg = KernelCfg()
     bwd_local: KernelCfg = KernelCfg()
-    num_warps_pass: int = 4
+    state_pass: KernelCfg = KernelCfg(4)
 
+    def tile(self, kernel: str) -> int:
+        """The column tile that `kernel` runs with (0 for the inverse kernel, which has none)."""
+        shared = {"fwd_prep": self.BZ, "bwd_prep": self.BZ, "fwd_out": self.BV, "bwd_local": self.BV,
+                  "state_pass": self.BV_PASS}.get(kernel, 0)
+        return (getattr(self, kernel).block or shared) if shared else 0
+
+
+# The kernels in launch order (the state pass runs twice: forward, then in reverse).
+KERNELS = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_local")
+
+# Launch table by (K, V) class: the first entry (in key order) with K ≤ Kc and V ≤ Vc applies.
+# Tiles: BT for N·H ≥ 128 (sequences × heads), BT_FEW below that (the state pass is then short
+# of programs), BC, and BZ / BV / BV_PASS (0: derived, min(64, K + V) / min(V, 64) /
+# 16 for V ≤ 64 else 32; explicit values are clamped to the head dims). Per kernel
+# (num_warps, num_stages) or (num_warps, num_stages, block). `bench.py --tune` on a GPU
+# prints its winners in this format, to paste here.
+TABLE: dict[tuple[int, int], dict] = {
+    # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
+    # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8)
+    (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
+                   wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
+                   bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32)),
+    # K = V = 64 and 256: not tuned yet
+    (64, 64): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
+                   wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
+                   bwd_prep=(2, 1), bwd_local=(2, 1)),
+    # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200, 2026-11-29 (53.6 -> 9.5 ms)
+    (128, 128): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=64, BV_PASS=32,
+                     wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 2, 128),
+                     bwd_prep=(4, 2, 128), bwd_local=(8, 2, 128)),
+    (256, 256): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
+                     wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
+                     bwd_prep=(2, 1), bwd_local=(2, 1)),
+}
 
 # Overrides for benchmarking/tuning, keyed by (K, V); read by both the real and the fake
 # implementations, so change it only between whole forward/backward calls.
 TUNING: dict[tuple[int, int], Config] = {}
 
 
+def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
+    """A Config for head dims K, V and NH = sequences × heads from a TABLE-style entry."""
+    cap = dict(fwd_prep=triton_next_pow2(K + V), bwd_prep=triton_next_pow2(K + V), fwd_out=V, bwd_local=V,
+               state_pass=V)
+    kc = {}
+    for n in KERNELS:
+        if n in entry:
+            c = KernelCfg(*entry[n])
+            kc[n] = dataclasses.replace(c, block=min(c.block, cap[n])) if c.block and n in cap else c
+    BZ = entry.get("BZ", 0) or min(64, triton_next_pow2(K + V))
+    BV = entry.get("BV", 0) or min(V, 64)
+    BV_PASS = entry.get("BV_PASS", 0) or (16 if V <= 64 else 32)
+    BT = entry.get("BT", 64) if NH >= 128 else entry.get("BT_FEW", entry.get("BT", 64))
+    return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
+                  BV_PASS=min(BV_PASS, V), **kc)
+
+
 def get_config(K: int, V: int, NH: int = 160) -> Config:
-    """Tiling for head dims K, V with NH = (number of sequences) × heads. Chosen by the sweep in
-    bench.py on an H200 (BENCHMARKS.md): one warp for the small-tile kernels, chunks of 128
-    tokens, 256 when few (sequence, head) pairs leave the state pass short of programs."""
+    """Tiling for head dims K, V with NH = (number of sequences) × heads: TUNING[(K, V)] if
+    set, else the first TABLE entry whose class holds (K, V). One config, no autotuning (the
+    interpreter runs exactly this one too)."""
     if (K, V) in TUNING:
         return TUNING[(K, V)]
-    if max(K, V) <= 32:
-        return Config(BT=256 if NH < 128 else 128, BC=16, BZ=min(64, triton_next_pow2(K + V)), BV=V,
-                      BV_PASS=16, wy_inverse=KernelCfg(1), fwd_prep=KernelCfg(1), fwd_out=KernelCfg(1),
-                      bwd_prep=KernelCfg(1), bwd_local=KernelCfg(2), num_warps_pass=4)
-    return Config(BT=64, BC=16, BZ=64, BV=min(V, 64), BV_PASS=16 if V <= 64 else 32)
+    for (kc, vc), entry in sorted(TABLE.items()):
+        if K <= kc and V <= vc:
+            return config_from_entry(K, V, NH, entry)
+    raise ValueError(f"no launch table entry for K = {K}, V = {V}")
 
 
 def triton_next_pow2(n: int) -> int:
@@ -131,85 +184,140 @@ def _common(q, v, cu_seqlens):
     return B, T, H, K, V, N, cfg, NC
 
 
-def _tables(cu_seqlens, NC, BT, device):
+@dataclasses.dataclass
+class Problem:
+    """One call's inputs and launch geometry: what every kernel launcher below takes. The
+    benchmark's tuner builds one per (shape, BT) and swaps `cfg` per kernel variant."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    scale: float
+    norm: bool
+    cfg: Config
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    N: int
+    NC: int
+    spans: torch.Tensor
+    offs: torch.Tensor
+
+
+def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None = None) -> Problem:
+    B, T, H, K, V, N, cfg0, _ = _common(q, v, cu_seqlens)
+    cfg = cfg or cfg0
+    NC = _num_chunks(B, T, N, cu_seqlens is not None, cfg.BT)
     if cu_seqlens is None:
-        dummy = torch.empty(2, dtype=torch.int32, device=device)
-        return dummy, dummy
-    return _varlen_tables(cu_seqlens, NC, BT)
+        spans = offs = torch.empty(2, dtype=torch.int32, device=q.device)
+    else:
+        spans, offs = _varlen_tables(cu_seqlens, NC, cfg.BT)
+    return Problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg, B, T, H, K, V, N, NC, spans, offs)
+
+
+def _geom(p: Problem) -> dict:
+    return dict(H=p.H, K=p.K, BT=p.cfg.BT, BC=p.cfg.BC, IS_VARLEN=p.cu_seqlens is not None,
+                NORM_QK=p.norm, PREC=_prec(p.q.dtype))
+
+
+# The WY inverse's dot precision. "ieee" always: see _unit_lower_inverse. (A module constant so
+# that the GPU stress test can show what "tf32" does.)
+INVERSE_PRECISION = "ieee"
+
+
+def run_wy_inverse(p: Problem) -> torch.Tensor:
+    """T = (I + A)⁻¹ of every sub-chunk, row by row beside its tokens ([B, T, H, BC] fp32)."""
+    c = p.cfg
+    tinv = torch.empty(p.B, p.T, p.H, c.BC, dtype=torch.float32, device=p.q.device)
+    _kern._wy_inverse_kernel[(p.NC, p.H, c.BT // c.BC)](
+        p.k, p.g, p.beta, tinv, p.spans, p.T, LOG2_BC=int(math.log2(c.BC)), INV_PREC=INVERSE_PRECISION,
+        **_geom(p), **_kw(c.wy_inverse))
+    return tinv
+
+
+def run_fwd_prep(p: Problem, tinv: torch.Tensor) -> torch.Tensor:
+    """[M | N] of every chunk ([NC, H, K, K + V] fp32)."""
+    BZ = p.cfg.tile("fwd_prep")
+    mn = torch.empty(p.NC, p.H, p.K, p.K + p.V, dtype=torch.float32, device=p.q.device)
+    _kern._fwd_prep_kernel[(p.NC, p.H, triton.cdiv(p.K + p.V, BZ))](
+        p.k, p.v, p.g, p.beta, tinv, mn, p.spans, p.T, V=p.V, BZ=BZ, **_geom(p), **_kw(p.cfg.fwd_prep))
+    return mn
+
+
+def run_state_pass(p: Problem, ab: torch.Tensor, x0: torch.Tensor | None, reverse: bool):
+    """The sequential pass over chunks: (per-chunk states [NC, H, K, V], last state [N, H, K, V])."""
+    BV = p.cfg.tile("state_pass")
+    states = torch.empty(p.NC, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    xT = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    _kern._state_pass_kernel[(p.N, p.H, triton.cdiv(p.V, BV))](
+        ab, states, x0 if x0 is not None else xT, xT, p.offs, p.T, H=p.H, K=p.K, V=p.V, BT=p.cfg.BT, BV=BV,
+        REVERSE=reverse, HAS_X0=x0 is not None, IS_VARLEN=p.cu_seqlens is not None, PREC=_prec(p.q.dtype),
+        **_kw(p.cfg.state_pass))
+    return states, xT
+
+
+def run_fwd_out(p: Problem, tinv: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    BV = p.cfg.tile("fwd_out")
+    o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=p.q.device)
+    _kern._fwd_out_kernel[(p.NC, p.H, triton.cdiv(p.V, BV))](
+        p.q, p.k, p.v, p.g, p.beta, tinv, o, states, p.spans, p.T, p.scale, V=p.V, BV=BV, **_geom(p),
+        **_kw(p.cfg.fwd_out))
+    return o
+
+
+def run_bwd_prep(p: Problem, tinv: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """[Mᵀ | R] of every chunk ([NC, H, K, K + V] fp32)."""
+    BZ = p.cfg.tile("bwd_prep")
+    mr = torch.empty(p.NC, p.H, p.K, p.K + p.V, dtype=torch.float32, device=p.q.device)
+    _kern._bwd_prep_kernel[(p.NC, p.H, triton.cdiv(p.K + p.V, BZ))](
+        p.q, p.k, p.g, p.beta, tinv, do, mr, p.spans, p.T, p.scale, V=p.V, BZ=BZ, **_geom(p),
+        **_kw(p.cfg.bwd_prep))
+    return mr
+
+
+def run_bwd_local(p: Problem, tinv, do, states, dstates):
+    """(dq, dk, dv, dg, dβ) from each chunk's start state and end-state gradient."""
+    BV = p.cfg.tile("bwd_local")
+    NV = triton.cdiv(p.V, BV)
+    NS = p.cfg.BT // p.cfg.BC
+    dev, f32 = p.q.device, torch.float32
+    B, T, H, K = p.B, p.T, p.H, p.K
+    scratch = torch.empty(p.NC, H, NV, NS, K, BV, dtype=f32, device=dev)
+    # with several value blocks, dq/dk/dg/dβ are fp32 partial sums, one slab per block
+    part_dtype = f32 if NV > 1 else None
+    dq = torch.empty(NV, B, T, H, K, dtype=part_dtype or p.q.dtype, device=dev)
+    dk = torch.empty(NV, B, T, H, K, dtype=part_dtype or p.k.dtype, device=dev)
+    dg = torch.empty(NV, B, T, H, dtype=part_dtype or p.g.dtype, device=dev)
+    db = torch.empty(NV, B, T, H, dtype=part_dtype or p.beta.dtype, device=dev)
+    dv = torch.empty(B, T, H, p.V, dtype=p.v.dtype, device=dev)
+    _kern._bwd_local_kernel[(p.NC, H, NV)](
+        p.q, p.k, p.v, p.g, p.beta, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, p.spans, p.T,
+        p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, **_geom(p), **_kw(p.cfg.bwd_local))
+    if NV > 1:
+        return (dq.sum(0).to(p.q.dtype), dk.sum(0).to(p.k.dtype), dv, dg.sum(0).to(p.g.dtype),
+                db.sum(0).to(p.beta.dtype))
+    return dq[0], dk[0], dv, dg[0], db[0]
 
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm):
-    B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
-    dev = q.device
-    varlen = cu_seqlens is not None
-    spans, offs = _tables(cu_seqlens, NC, cfg.BT, dev)
-    prec = _prec(q.dtype)
-    f32 = torch.float32
-
-    # T = (I + A)⁻¹ of every sub-chunk, row by row beside its tokens; saved for the backward
-    tinv = torch.empty(B, T, H, cfg.BC, dtype=f32, device=dev)
-    _kern._wy_inverse_kernel[(NC, H, cfg.BT // cfg.BC)](
-        k, g, beta, tinv, spans, T, H=H, K=K, BT=cfg.BT, BC=cfg.BC, LOG2_BC=int(math.log2(cfg.BC)),
-        IS_VARLEN=varlen, NORM_QK=use_qk_l2norm, PREC=prec, **_kw(cfg.wy_inverse))
-
-    mn = torch.empty(NC, H, K, K + V, dtype=f32, device=dev)
-    _kern._fwd_prep_kernel[(NC, H, triton.cdiv(K + V, cfg.BZ))](
-        k, v, g, beta, tinv, mn, spans, T, H=H, K=K, V=V, BT=cfg.BT, BC=cfg.BC, BZ=cfg.BZ,
-        IS_VARLEN=varlen, NORM_QK=use_qk_l2norm, PREC=prec, **_kw(cfg.fwd_prep))
-
-    states = torch.empty(NC, H, K, V, dtype=f32, device=dev)
-    final_state = torch.empty(N, H, K, V, dtype=f32, device=dev)
-    h0 = initial_state if initial_state is not None else final_state
-    _kern._state_pass_kernel[(N, H, triton.cdiv(V, cfg.BV_PASS))](
-        mn, states, h0, final_state, offs, T, H=H, K=K, V=V, BT=cfg.BT, BV=cfg.BV_PASS, REVERSE=False,
-        HAS_X0=initial_state is not None, IS_VARLEN=varlen, PREC=prec, num_warps=cfg.num_warps_pass)
-
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=dev)
-    _kern._fwd_out_kernel[(NC, H, triton.cdiv(V, cfg.BV))](
-        q, k, v, g, beta, tinv, o, states, spans, T, scale, H=H, K=K, V=V, BT=cfg.BT, BC=cfg.BC,
-        BV=cfg.BV, IS_VARLEN=varlen, NORM_QK=use_qk_l2norm, PREC=prec, **_kw(cfg.fwd_out))
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
+    tinv = run_wy_inverse(p)  # saved for the backward
+    mn = run_fwd_prep(p, tinv)
+    states, final_state = run_state_pass(p, mn, initial_state, reverse=False)
+    o = run_fwd_out(p, tinv, states)
     return o, final_state, states, tinv
 
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm):
-    B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
-    dev = q.device
-    varlen = cu_seqlens is not None
-    spans, offs = _tables(cu_seqlens, NC, cfg.BT, dev)
-    prec = _prec(q.dtype)
-    f32 = torch.float32
-
-    mr = torch.empty(NC, H, K, K + V, dtype=f32, device=dev)
-    _kern._bwd_prep_kernel[(NC, H, triton.cdiv(K + V, cfg.BZ))](
-        q, k, g, beta, tinv, do, mr, spans, T, scale, H=H, K=K, V=V, BT=cfg.BT, BC=cfg.BC,
-        BZ=cfg.BZ, IS_VARLEN=varlen, NORM_QK=use_qk_l2norm, PREC=prec, **_kw(cfg.bwd_prep))
-
-    dstates = torch.empty(NC, H, K, V, dtype=f32, device=dev)
-    dh0 = torch.empty(N, H, K, V, dtype=f32, device=dev)
-    _kern._state_pass_kernel[(N, H, triton.cdiv(V, cfg.BV_PASS))](
-        mr, dstates, dht if dht is not None else dh0, dh0, offs, T, H=H, K=K, V=V, BT=cfg.BT,
-        BV=cfg.BV_PASS, REVERSE=True, HAS_X0=dht is not None, IS_VARLEN=varlen, PREC=prec,
-        num_warps=cfg.num_warps_pass)
-
-    NV = triton.cdiv(V, cfg.BV)
-    NS = cfg.BT // cfg.BC
-    scratch = torch.empty(NC, H, NV, NS, K, cfg.BV, dtype=f32, device=dev)
-    # with several value blocks, dq/dk/dg/dβ are fp32 partial sums, one slab per block
-    part_dtype = f32 if NV > 1 else None
-    dq = torch.empty(NV, B, T, H, K, dtype=part_dtype or q.dtype, device=dev)
-    dk = torch.empty(NV, B, T, H, K, dtype=part_dtype or k.dtype, device=dev)
-    dg = torch.empty(NV, B, T, H, dtype=part_dtype or g.dtype, device=dev)
-    db = torch.empty(NV, B, T, H, dtype=part_dtype or beta.dtype, device=dev)
-    dv = torch.empty(B, T, H, V, dtype=v.dtype, device=dev)
-    _kern._bwd_local_kernel[(NC, H, NV)](
-        q, k, v, g, beta, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, spans, T, scale,
-        B * T * H * K, B * T * H, H=H, K=K, V=V, BT=cfg.BT, BC=cfg.BC, BV=cfg.BV,
-        NV=NV, NS=NS, IS_VARLEN=varlen, NORM_QK=use_qk_l2norm, PREC=prec, **_kw(cfg.bwd_local))
-    if NV > 1:
-        dq, dk = dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype)
-        dg, db = dg.sum(0).to(g.dtype), db.sum(0).to(beta.dtype)
-    else:
-        dq, dk, dg, db = dq[0], dk[0], dg[0], db[0]
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
+    mr = run_bwd_prep(p, tinv, do)
+    dstates, dh0 = run_state_pass(p, mr, dht, reverse=True)
+    dq, dk, dv, dg, db = run_bwd_local(p, tinv, do, states, dstates)
     return dq, dk, dv, dg, db, dh0
 
 
@@ -377,4 +485,7 @@ def chunk_gated_delta_rule(
     return o, (final_state if output_final_state else None)
 
 
-__all__ = ["Config", "KernelCfg", "TUNING", "chunk_gated_delta_rule", "gdn_chunk_bwd", "gdn_chunk_fwd", "get_config"]
+__all__ = [
+    "KERNELS", "TABLE", "TUNING", "Config", "KernelCfg", "Problem", "chunk_gated_delta_rule", "config_from_entry",
+    "gdn_chunk_bwd", "gdn_chunk_fwd", "get_config", "make_problem",
+]

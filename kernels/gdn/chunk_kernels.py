@@ -61,7 +61,11 @@ def _gram(kb, gb, bb, BC: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def _unit_lower_inverse(A, BC: tl.constexpr, LOG2_BC: tl.constexpr, PREC: tl.constexpr):
     """(I + A)⁻¹ for strictly lower triangular A: A^BC = 0, so the inverse is the product
-    (I − A)(I + A²)(I + A⁴)…(I + A^(BC/2)), log2(BC) − 1 squarings and as many products."""
+    (I − A)(I + A²)(I + A⁴)…(I + A^(BC/2)), log2(BC) − 1 squarings and as many products.
+    PREC must be "ieee": the products sum Neumann terms A^j whose entries reach C(BC−2, j−1)
+    (3,432 for BC = 16) when a sub-chunk's keys are nearly parallel and β, Γ ≈ 1, and they
+    cancel to an O(1) inverse. tf32's 10-bit mantissa leaves O(1) errors in T; the chunk map
+    then stops being a contraction and the state grows until it overflows."""
     o_r = tl.arange(0, BC)
     Tm = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - A
     P = A
@@ -110,7 +114,7 @@ def _l2norm_rows(x, NORM: tl.constexpr):
 def _wy_inverse_kernel(
     k, g, beta, tinv, chunk_spans, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     """T = (I + A)⁻¹ of one sub-chunk, stored row by row beside its tokens ([B, T, H, BC]).
     One sub-chunk per program: the only long dependency chain of the WY algebra runs at full
@@ -130,7 +134,7 @@ def _wy_inverse_kernel(
     gb = _load_vec(g, rows, m_r, i_h, H)
     bb = _load_vec(beta, rows, m_r, i_h, H)
     gam, decay, Bkk, A = _gram(kb, gb, bb, BC, PREC)
-    Tm = _unit_lower_inverse(A, BC, LOG2_BC, PREC)
+    Tm = _unit_lower_inverse(A, BC, LOG2_BC, INV_PREC)
     p = (rows.to(tl.int64) * H + i_h)[:, None] * BC + o_r[None, :]
     tl.store(tinv + p, Tm, mask=m_r[:, None])
 
