@@ -113,15 +113,22 @@ def test_rejects_low_precision_params():
         CautiousAdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))])
 
 
-def test_compiled_step_equals_eager(monkeypatch):
+def test_compiled_step_equals_eager():
     """The torch.compile'd step (fullgraph: a graph break is an error) matches eager, with a
     changing tensor lr (no recompile per step: the lr is a 0-d tensor input)."""
     import torch._dynamo
     import torch._inductor.config
 
     # compile in this process: a pool of compile workers would outlive the test and compete
-    # with the next tests for the 2 cores
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    # with the next tests for the 2 cores. (config.patch, not monkeypatch: monkeypatch's undo
+    # deletes the setting, and every later compile in the process then fails.)
+    with torch._inductor.config.patch(compile_threads=1):
+        _compiled_step_equals_eager()
+
+
+def _compiled_step_equals_eager():
+    import torch._dynamo
+
     torch._dynamo.reset()
     params0, grads = params_and_grads(seed=4, steps=3)
     lrs = [1e-2, 5e-3, 2e-3]
