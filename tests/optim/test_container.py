@@ -56,6 +56,13 @@ def test_container_holds_both_optimizers_with_their_lrs():
     assert len(scheds.schedulers) == 2
 
 
+def test_compiled_switches_reach_both_optimizers():
+    opts, _ = build(make_model())
+    assert not opts.optimizers[0]._compiled and not opts.optimizers[1]._compiled
+    opts, _ = build(make_model(), normuon_compiled=True, adamw_compiled=True)
+    assert opts.optimizers[0]._compiled and opts.optimizers[1]._compiled
+
+
 def test_state_dict_is_flat_fqn_keyed_and_does_not_step():
     model = make_model()
     opts, _ = build(model)
