@@ -43,6 +43,10 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
         raise ValueError(f"[hymo] gdn_backend = {wanted!r} was not applied: the model was built "
                          f"with {model.model_args.gdn_backend!r}")
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if compile_model and model.model_args.gdn_backend == "torch_chunk":
+        raise ValueError("[hymo] gdn_backend = 'torch_chunk' is kept out of torch.compile (its "
+                         "compiled backward fails), and the blocks compile with fullgraph: use "
+                         "gdn_backend = 'triton' on a GPU, or --compile.no-enable")
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)

@@ -38,3 +38,11 @@ def test_unapplied_gdn_backend_is_an_error():
     model = SimpleNamespace(model_args=SimpleNamespace(gdn_backend="torch_chunk"))
     with pytest.raises(ValueError, match="was not applied"):
         parallelize_hymo(model, _dims(), _job(gdn_backend="triton"))
+
+
+def test_torch_chunk_backend_under_compile_is_a_clear_error():
+    model = SimpleNamespace(model_args=SimpleNamespace(gdn_backend="torch_chunk"))
+    job = _job()
+    job.compile = SimpleNamespace(enable=True, components=["model", "loss"])
+    with pytest.raises(ValueError, match="kept out of torch.compile"):
+        parallelize_hymo(model, _dims(), job)
