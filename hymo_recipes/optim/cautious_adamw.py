@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
+from hymo_recipes.optim._base import GroupStepOptimizer
 from hymo_recipes.optim._dist import all_reduce_sum, local, shard_spec
 
 __all__ = ["CautiousAdamW"]
@@ -143,7 +143,7 @@ def _fused_step(
             eps_scaled, cautious_wd, apply_wd)
 
 
-class CautiousAdamW(Optimizer):
+class CautiousAdamW(GroupStepOptimizer):
     """AdamW with cautious update masking and cautious weight decay, each switchable.
 
     Args:
@@ -235,17 +235,6 @@ class CautiousAdamW(Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["params"]:
-                self._step_group(group)
-        return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]

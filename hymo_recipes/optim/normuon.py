@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.optim import Optimizer
 
+from hymo_recipes.optim._base import GroupStepOptimizer
 from hymo_recipes.optim._dist import (
     all_reduce_sum,
     local,
@@ -152,7 +152,7 @@ def _as_scalar(x: float | Tensor) -> float | Tensor:
     return float(x)
 
 
-class NorMuon(Optimizer):
+class NorMuon(GroupStepOptimizer):
     """NorMuon for 2-D matrices and 3-D stacks of expert matrices ([E, out, in]).
 
     Args:
@@ -301,17 +301,6 @@ class NorMuon(Optimizer):
                 dtype = _state_dtype(p)
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
                 state["neuron_v"] = state_like_rows(p, dtype)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["params"]:
-                self._step_group(group)
-        return loss
 
     # --------------------------------------------------------------------------------------
     def _batches(self, params: list[Tensor]) -> list[_Batch]:
