@@ -1,6 +1,7 @@
 """GDN kernel benchmark (GPU): ours vs flash-linear-attention vs the eager PyTorch reference.
 
     python -m hymo_kernels.gdn.bench [--shapes 4,4096,40,32,32 ...] [--tuning tune.json] [--no-fla] [--no-eager]
+                                     [--variants default,split] [--fast-ref]
     python -m hymo_kernels.gdn.bench --tune [--budget-s 270] [--json tune.json] [--shapes ...]
 
 In one run, for each (B, T, H, K, V): parity first (bf16 and fp32, ours against the float64
@@ -9,6 +10,11 @@ per-token recurrence on a slice of batch rows/heads, every output and gradient, 
 (median of triton.testing.do_bench), the minimal HBM bytes of each over that time against the
 measured device-to-device copy bandwidth, and a per-kernel breakdown from torch.profiler.
 Speed-ups are not printed for a shape whose parity failed.
+
+``--variants`` compares backward paths in the same run, at every shape, each with its own
+parity rows (one shared reference), fwd and fwd+bwd times and per-kernel breakdown:
+``default`` (the table's config as is), ``local`` (``_bwd_local``) and ``split``
+(``_bwd_dstate`` + ``_bwd_sub``, ``Config.bwd_split``), on top of the table or ``--tuning``.
 
 All three are called the same way: q, k raw (L2-normalised in the kernel, fla's
 ``use_qk_l2norm_in_kernel=True``; the eager reference normalises them first), v, beta bf16,
@@ -142,6 +148,37 @@ def load_eager():
 # --------------------------------------------------------------------------------------------
 
 
+class variant:
+    """Runs ours with `cfg` (chunk.TUNING for the shape's head dims) inside the block, for the
+    forward and the backward alike; cfg None leaves TUNING as it is."""
+
+    def __init__(self, shape, cfg):
+        self.key, self.cfg = tuple(shape[3:]), cfg
+
+    def __enter__(self):
+        self.saved = gdn_chunk.TUNING.get(self.key)
+        if self.cfg is not None:
+            gdn_chunk.TUNING[self.key] = self.cfg
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            gdn_chunk.TUNING.pop(self.key, None)
+        else:
+            gdn_chunk.TUNING[self.key] = self.saved
+
+
+VARIANTS = ("default", "local", "split")
+
+
+def variant_config(cfg, name):
+    """The config of a --variants entry on top of `cfg`."""
+    if name == "default":
+        return cfg
+    if name in ("local", "split"):
+        return dataclasses.replace(cfg, bwd_split=name == "split")
+    raise ValueError(f"unknown variant {name!r}: pick from {VARIANTS}")
+
+
 def rel(a, b):
     if a is None:
         return float("nan")
@@ -191,10 +228,12 @@ def parity(shape, impls, heads, fast_ref=False):
     del rx, rh0, ro, rht
 
     rows = []
-    for name, impl, dtype in impls:
+    for name, impl, dtype, *cfg in impls:
+        # optional 4th element: the Config to run ours with (a --variants entry)
         x = {n: (xb[n].float() if dtype == torch.float32 else xb[n]) for n in NAMES}
         try:
-            out = fwd_bwd_grads(impl, x, h0, do, dht)
+            with variant(shape, cfg[0] if cfg else None):
+                out = fwd_bwd_grads(impl, x, h0, do, dht)
         except Exception as e:  # noqa: BLE001
             log(f"  {name} {dtype}: FAILED to run: {e!r}")
             rows.append((name, dtype, None, False))
@@ -210,7 +249,7 @@ def parity(shape, impls, heads, fast_ref=False):
         ok = all(errs[n] <= TOL[dtype][n] for n in errs)
         rows.append((name, dtype, errs, ok))
         log(f"  {name:5s} {str(dtype)[6:]:8s} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items())
-            + ("  PASS" if ok else "  FAIL") + ("" if name == "ours" else " (informational)"))
+            + ("  PASS" if ok else "  FAIL") + ("" if name.startswith("ours") else " (informational)"))
         del out
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -295,7 +334,7 @@ TUNE_SHAPES = [(4, 4096, 16, 128, 128), (4, 4096, 40, 32, 32), (1, 32768, 40, 32
 # KERNEL_NOTES.md): printed beside ours when fla is not timed live in the same run
 FLA_NOTES_MS = {(4, 4096, 40, 32, 32): 2.922, (1, 32768, 40, 32, 32): 4.327, (8, 4096, 40, 32, 32): 4.054,
                 (4, 4096, 16, 128, 128): 3.16}
-_TILED = {"fwd_prep", "bwd_prep", "fwd_out", "bwd_local", "state_pass"}
+_TILED = {"fwd_prep", "bwd_prep", "fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "state_pass"}
 
 
 class Deadline:
@@ -322,7 +361,7 @@ def tile_choices(kname, K, V):
     """Legal column tiles of a kernel (≥ 16: tl.dot needs it)."""
     if kname in ("fwd_prep", "bwd_prep"):
         return _pow2s(32, min(128, gdn_chunk.triton_next_pow2(K + V)))
-    if kname in ("fwd_out", "bwd_local"):
+    if kname in ("fwd_out", "bwd_local", "bwd_dstate", "bwd_sub"):
         return _pow2s(max(16, V // 4), V)
     if kname == "state_pass":
         return _pow2s(16, min(64, V))
@@ -355,6 +394,9 @@ class Case:
         self.mr = torch.zeros(p.NC, H, K, K + V, **z)
         self.states = torch.zeros(p.NC, H, K, V, **z)
         self.dstates = torch.zeros(p.NC, H, K, V, **z)
+        # split backward: one state / end-state gradient per sub-chunk
+        self.sub_states = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
+        self.dsub = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
 
     def fn(self, kname, cfg):
         """A closure that launches kernel `kname` (both directions for the state pass) with cfg."""
@@ -366,9 +408,11 @@ class Case:
             "fwd_prep": lambda: c.run_fwd_prep(p, self.tinv),
             "state_pass": lambda: (c.run_state_pass(p, self.mn, None, False),
                                    c.run_state_pass(p, self.mr, None, True)),
-            "fwd_out": lambda: c.run_fwd_out(p, self.tinv, self.states),
+            "fwd_out": lambda: c.run_fwd_out(p, self.tinv, self.sub_states if cfg.bwd_split else self.states),
             "bwd_prep": lambda: c.run_bwd_prep(p, self.tinv, self.do),
             "bwd_local": lambda: c.run_bwd_local(p, self.tinv, self.do, self.states, self.dstates),
+            "bwd_dstate": lambda: c.run_bwd_dstate(p, self.tinv, self.do, self.dsub),
+            "bwd_sub": lambda: c.run_bwd_sub(p, self.tinv, self.do, self.sub_states, self.dsub),
         }[kname]
 
 
@@ -529,7 +573,7 @@ def table_entry(cfg, K, V, NH):
         kc = getattr(cfg, n)
         ks.append(f"{n}=({kc.num_warps}, {kc.num_stages}" + (f", {cfg.tile(n)})" if n in _TILED else ")"))
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
-            f"BV_PASS={cfg.BV_PASS}, " + ", ".join(ks) + "),")
+            f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, " + ", ".join(ks) + "),")
 
 
 def tune_shape(shape, args, pre, deadline, fla_impl, out):
@@ -550,6 +594,8 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     jobs = [(shape, d, base, k) for d in dtypes for k in gdn_chunk.KERNELS]
     jobs += [(shape, torch.bfloat16, dataclasses.replace(base, BT=bt), k) for bt in bts for k in gdn_chunk.KERNELS]
     jobs += [(shape, d, base, "e2e") for d in dtypes]
+    other = dataclasses.replace(base, bwd_split=not base.bwd_split)  # the other backward path, timed at the end
+    jobs += [(shape, torch.bfloat16, other, "e2e")]
     if not pre.run(jobs, deadline, "defaults, all BT"):
         return False
 
@@ -569,8 +615,11 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
         cfg = dataclasses.replace(base, BT=bt)
         case = Case(shape, torch.bfloat16, cfg)
         per = {k: time_kernel(case, k, cfg) for k in gdn_chunk.KERNELS}
-        bt_ms[bt] = sum(per.values())
-        log(f"  BT={bt:3d}: sum {bt_ms[bt]:.3f} ms  " + " ".join(f"{k}={v:.3f}" for k, v in per.items()))
+        # the BT choice counts the kernels of the default's backward path
+        bt_ms[bt] = sum(per[k] for k in base.kernels())
+        alt = sum(per[k] for k in dataclasses.replace(base, bwd_split=not base.bwd_split).kernels())
+        log(f"  BT={bt:3d}: sum {bt_ms[bt]:.3f} ms ({'split' if base.bwd_split else 'local'} path; other path "
+            f"{alt:.3f})  " + " ".join(f"{k}={v:.3f}" for k, v in per.items()))
         del case
     best_bt = min(bt_ms, key=bt_ms.get)
     rec["bt_sum_ms"] = bt_ms
@@ -642,6 +691,13 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     log(f"  fwd+bwd bf16: default {t_def:.3f} ms, tuned {t_tuned:.3f} ms ({t_def / t_tuned:.2f}x); "
         f"fla {fla_ms:.3f} ms (notes, 2026-11-29; live fla below if timed) -> tuned {fla_ms / t_tuned:.2f}x fla"
         f"  (t = {deadline.elapsed():.0f}s)")
+    # the tuned launches with the other backward path (parity: run the benchmark with --variants)
+    flipped = dataclasses.replace(tuned, bwd_split=not tuned.bwd_split)
+    if deadline.left() > 20 and pre.run([(shape, torch.bfloat16, flipped, "e2e")], deadline, "other path e2e"):
+        with variant(shape, flipped):
+            t_flip = fwdbwd_ms(ours, shape)
+        rec["fwdbwd_ms"]["tuned_other_path"] = t_flip
+        log(f"  fwd+bwd bf16, tuned launches, {'split' if flipped.bwd_split else 'local'} backward: {t_flip:.3f} ms")
     return True
 
 
@@ -736,6 +792,12 @@ def main(argv=None):
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--no-parity", action="store_true")
+    ap.add_argument("--variants", default="default",
+                    help="comma list of backward paths timed at every shape: default (the table's config), "
+                         "local (_bwd_local), split (_bwd_dstate + _bwd_sub)")
+    ap.add_argument("--fast-ref", action="store_true",
+                    help="parity against the float64 chunked torch reference at every T (seconds; the per-token "
+                         "recurrence takes ~6 s per shape at T = 4096)")
     ap.add_argument("--json", default=None, help="write the results here (with --tune: after every shape)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, under TRITON_INTERPRET=1, tiny shapes: tests this script's code paths")
@@ -772,6 +834,9 @@ def main(argv=None):
         for key, d in data.items():
             tuned[tuple(int(s) for s in key.split(","))] = config_from_dict(d)
 
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        variant_config(Config(), v)  # fail early on a typo
     table = []
     t_start = time.time()
     for shape in shapes:
@@ -779,24 +844,30 @@ def main(argv=None):
         log(f"## {shape} (t = {time.time() - t_start:.0f}s)")
         if shape in tuned:
             gdn_chunk.TUNING[(K, V)] = tuned[shape]
-        cfg = gdn_chunk.get_config(K, V, B * H)
-        log(f"  config: {cfg}")
-        ok = True
+        base = gdn_chunk.get_config(K, V, B * H)
+        gdn_chunk.TUNING.pop((K, V), None)
+        # ours per variant: (name, config); one variant keeps the plain name "ours"
+        mine = [("ours" if len(variants) == 1 else f"ours:{v}", variant_config(base, v)) for v in variants]
+        for name, cfg in mine:
+            log(f"  {name} config: {cfg}")
+        res = result["shapes"].setdefault(str(shape), {})
+        ok = {name: True for name, _ in mine}
         if not args.no_parity:
             heads = [0] if T >= 16384 else [0, H - 1]
-            impls = [("ours", ours, torch.bfloat16), ("ours", ours, torch.float32)]
+            impls = [(name, ours, dt, cfg) for name, cfg in mine for dt in (torch.bfloat16, torch.float32)]
             if fla_impl is not None:
                 impls.append(("fla", fla_impl, torch.bfloat16))
-            prow = parity(shape, impls, heads)
-            ok = all(r[3] for r in prow if r[0] == "ours")
-            result["shapes"].setdefault(str(shape), {})["parity"] = [
-                dict(impl=r[0], dtype=str(r[1]), errors=r[2], ok=r[3]) for r in prow]
-        times = {}
-        for name, impl in (("ours", ours), ("fla", fla_impl), ("eager", eager_impl)):
+            prow = parity(shape, impls, heads, fast_ref=args.fast_ref)
+            ok = {name: all(r[3] for r in prow if r[0] == name) for name, _ in mine}
+            res["parity"] = [dict(impl=r[0], dtype=str(r[1]), errors=r[2], ok=r[3]) for r in prow]
+        times, kernels = {}, {}
+        runs = [(name, ours, cfg) for name, cfg in mine] + [("fla", fla_impl, None), ("eager", eager_impl, None)]
+        for name, impl, cfg in runs:
             if impl is None:
                 continue
             try:
-                times[name] = time_impl(impl, shape, rep=200 if name != "eager" else 300)
+                with variant(shape, cfg):
+                    times[name] = time_impl(impl, shape, rep=200 if name != "eager" else 300)
             except Exception as e:  # noqa: BLE001
                 log(f"  {name}: timing failed: {e!r}")
                 continue
@@ -804,35 +875,40 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             log(f"  {name:5s} fwd {times[name][0]:8.3f} ms   fwd+bwd {times[name][1]:8.3f} ms"
                 f"  (t = {time.time() - t_start:.0f}s)")
-        try:
-            for ms, kname in (kernel_breakdown(ours, shape)[:8] if DEVICE == "cuda" else []):
-                log(f"    ours kernel {ms:7.3f} ms  {kname[:90]}")
-        except Exception as e:  # noqa: BLE001
-            log(f"  profiler failed: {e!r}")
+        for name, cfg in mine:
+            try:
+                with variant(shape, cfg):
+                    rows = kernel_breakdown(ours, shape)[:10] if DEVICE == "cuda" else []
+            except Exception as e:  # noqa: BLE001
+                log(f"  {name}: profiler failed: {e!r}")
+                continue
+            kernels[name] = [dict(ms=ms, kernel=kname) for ms, kname in rows]
+            for ms, kname in rows:
+                log(f"    {name} kernel {ms:7.3f} ms  {kname[:90]}")
         fb, fbb = min_bytes(shape)
-        result["shapes"].setdefault(str(shape), {}).update(
-            times={n: dict(fwd_ms=t[0], fwdbwd_ms=t[1]) for n, t in times.items()}, parity_ok=ok,
-            config=dataclasses.asdict(cfg), min_bytes_fwd=fb, min_bytes_fwdbwd=fbb)
+        res.update(times={n: dict(fwd_ms=t[0], fwdbwd_ms=t[1]) for n, t in times.items()}, parity_ok=ok,
+                   config={name: dataclasses.asdict(cfg) for name, cfg in mine}, kernels=kernels,
+                   min_bytes_fwd=fb, min_bytes_fwdbwd=fbb)
         table.append((shape, times, ok, fb, fbb))
-        gdn_chunk.TUNING.pop((K, V), None)
 
     log("")
     log(f"# summary ({dev}, torch {torch.__version__}, triton {triton.__version__}; bf16, median ms; "
         f"BW = minimal bytes / time vs copy {bw:.2f} TB/s)")
-    log(f"{'shape':24s} {'ours fwd':>9s} {'fla fwd':>9s} {'eager fwd':>10s} {'ours f+b':>9s} {'fla f+b':>9s} "
-        f"{'eager f+b':>10s} {'vs fla':>7s} {'vs eager':>8s} {'BW f+b':>7s} {'goal':>6s} parity")
+    log(f"{'shape':24s} {'variant':13s} {'ours fwd':>9s} {'fla fwd':>9s} {'eager fwd':>10s} {'ours f+b':>9s} "
+        f"{'fla f+b':>9s} {'eager f+b':>10s} {'vs fla':>7s} {'vs eager':>8s} {'BW f+b':>7s} {'goal':>6s} parity")
     for shape, times, ok, fb, fbb in table:
         def g(n, i):
             return times[n][i] if n in times else float("nan")
 
-        o_f, o_fb = g("ours", 0), g("ours", 1)
-        ratio_fla = g("fla", 1) / o_fb if ok else float("nan")
-        ratio_eager = g("eager", 1) / o_fb if ok else float("nan")
-        bwf = fbb / (o_fb * 1e-3) / 1e12 / bw
-        goal = GOAL_MS.get(shape)
-        log(f"{str(shape):24s} {o_f:9.3f} {g('fla', 0):9.3f} {g('eager', 0):10.2f} {o_fb:9.3f} {g('fla', 1):9.3f} "
-            f"{g('eager', 1):10.2f} {ratio_fla:6.1f}x {ratio_eager:7.0f}x {bwf:6.0%} "
-            f"{(f'{goal:.2f}' if goal else '-'):>6s} {'ok' if ok else 'FAILED (no speedup reported)'}")
+        for name, good in ok.items():
+            o_f, o_fb = g(name, 0), g(name, 1)
+            ratio_fla = g("fla", 1) / o_fb if good else float("nan")
+            ratio_eager = g("eager", 1) / o_fb if good else float("nan")
+            bwf = fbb / (o_fb * 1e-3) / 1e12 / bw
+            goal = GOAL_MS.get(shape)
+            log(f"{str(shape):24s} {name:13s} {o_f:9.3f} {g('fla', 0):9.3f} {g('eager', 0):10.2f} {o_fb:9.3f} "
+                f"{g('fla', 1):9.3f} {g('eager', 1):10.2f} {ratio_fla:6.1f}x {ratio_eager:7.0f}x {bwf:6.0%} "
+                f"{(f'{goal:.2f}' if goal else '-'):>6s} {'ok' if good else 'FAILED (no speedup reported)'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -56,7 +56,11 @@ class Config:
     BC: tokens per sub-chunk, the unit of the WY algebra (16 or 32; T = (I + A)⁻¹ is BC×BC);
     BZ: augmented columns per program in the prep kernels; BV: value columns per program in
     the output and gradient kernels (V > BV makes dq/dk/dg/dβ partial sums); BV_PASS: value
-    columns per program in the state pass. A kernel's ``KernelCfg.block`` overrides its tile."""
+    columns per program in the state pass. A kernel's ``KernelCfg.block`` overrides its tile.
+    bwd_split: the backward's last stage is ``_bwd_dstate`` (sequential over a chunk's
+    sub-chunks, carries only dS) + ``_bwd_sub`` (one program per sub-chunk) instead of
+    ``_bwd_local``; the forward then saves every sub-chunk's start state (README, "Split
+    backward")."""
 
     BT: int = 64
     BC: int = 16
@@ -69,40 +73,59 @@ class Config:
     bwd_prep: KernelCfg = KernelCfg()
     bwd_local: KernelCfg = KernelCfg()
     state_pass: KernelCfg = KernelCfg(4)
+    bwd_split: bool = False
+    bwd_dstate: KernelCfg = KernelCfg(1, 2)
+    bwd_sub: KernelCfg = KernelCfg(2, 1)
 
     def tile(self, kernel: str) -> int:
         """The column tile that `kernel` runs with (0 for the inverse kernel, which has none)."""
         shared = {"fwd_prep": self.BZ, "bwd_prep": self.BZ, "fwd_out": self.BV, "bwd_local": self.BV,
-                  "state_pass": self.BV_PASS}.get(kernel, 0)
+                  "bwd_dstate": self.BV, "bwd_sub": self.BV, "state_pass": self.BV_PASS}.get(kernel, 0)
         return (getattr(self, kernel).block or shared) if shared else 0
 
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels this config launches (its backward path's), in launch order."""
+        return KERNELS_SPLIT if self.bwd_split else KERNELS_LOCAL
 
-# The kernels in launch order (the state pass runs twice: forward, then in reverse).
-KERNELS = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_local")
+    @property
+    def slots(self) -> int:
+        """Saved states per chunk: one per sub-chunk on the split path, else one."""
+        return self.BT // self.BC if self.bwd_split else 1
+
+
+# The kernels in launch order (the state pass runs twice: forward, then in reverse), per backward
+# path, and all of them (what `bench.py --tune` tunes).
+KERNELS_LOCAL = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_local")
+KERNELS_SPLIT = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_dstate", "bwd_sub")
+KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
 
 # Launch table by (K, V) class: the first entry (in key order) with K ≤ Kc and V ≤ Vc applies.
 # Tiles: BT for N·H ≥ 128 (sequences × heads), BT_FEW below that (the state pass is then short
 # of programs), BC, and BZ / BV / BV_PASS (0: derived, min(64, K + V) / min(V, 64) /
 # 16 for V ≤ 64 else 32; explicit values are clamped to the head dims). Per kernel
 # (num_warps, num_stages) or (num_warps, num_stages, block). `bench.py --tune` on a GPU
-# prints its winners in this format, to paste here.
+# prints its winners in this format, to paste here. bwd_split picks the backward path
+# (False: _bwd_local; True: _bwd_dstate + _bwd_sub, not yet measured on a GPU); the launches
+# of bwd_dstate and bwd_sub are guesses until `bench.py --tune` has timed them.
 TABLE: dict[tuple[int, int], dict] = {
     # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
     # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8)
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
-                   bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32)),
+                   bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32),
+                   bwd_split=False, bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
     # K = V = 64 and 256: not tuned yet
     (64, 64): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
                    wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
-                   bwd_prep=(2, 1), bwd_local=(2, 1)),
+                   bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1)),
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200, 2026-11-29 (53.6 -> 9.5 ms)
     (128, 128): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=64, BV_PASS=32,
                      wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 2, 128),
-                     bwd_prep=(4, 2, 128), bwd_local=(8, 2, 128)),
+                     bwd_prep=(4, 2, 128), bwd_local=(8, 2, 128),
+                     bwd_split=False, bwd_dstate=(4, 2, 128), bwd_sub=(8, 1, 128)),
     (256, 256): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
                      wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
-                     bwd_prep=(2, 1), bwd_local=(2, 1)),
+                     bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1)),
 }
 
 # Overrides for benchmarking/tuning, keyed by (K, V); read by both the real and the fake
@@ -113,7 +136,7 @@ TUNING: dict[tuple[int, int], Config] = {}
 def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     """A Config for head dims K, V and NH = sequences × heads from a TABLE-style entry."""
     cap = dict(fwd_prep=triton_next_pow2(K + V), bwd_prep=triton_next_pow2(K + V), fwd_out=V, bwd_local=V,
-               state_pass=V)
+               bwd_dstate=V, bwd_sub=V, state_pass=V)
     kc = {}
     for n in KERNELS:
         if n in entry:
@@ -124,7 +147,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     BV_PASS = entry.get("BV_PASS", 0) or (16 if V <= 64 else 32)
     BT = entry.get("BT", 64) if NH >= 128 else entry.get("BT_FEW", entry.get("BT", 64))
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
-                  BV_PASS=min(BV_PASS, V), **kc)
+                  BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)), **kc)
 
 
 def get_config(K: int, V: int, NH: int = 160) -> Config:
@@ -250,23 +273,26 @@ def run_fwd_prep(p: Problem, tinv: torch.Tensor) -> torch.Tensor:
 
 
 def run_state_pass(p: Problem, ab: torch.Tensor, x0: torch.Tensor | None, reverse: bool):
-    """The sequential pass over chunks: (per-chunk states [NC, H, K, V], last state [N, H, K, V])."""
+    """The sequential pass over chunks: (per-chunk states [NC·slots, H, K, V], last state
+    [N, H, K, V]); with cfg.slots > 1 (split backward) it fills the first slot of each chunk."""
     BV = p.cfg.tile("state_pass")
-    states = torch.empty(p.NC, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    states = torch.empty(p.NC * p.cfg.slots, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     xT = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     _kern._state_pass_kernel[(p.N, p.H, triton.cdiv(p.V, BV))](
         ab, states, x0 if x0 is not None else xT, xT, p.offs, p.T, H=p.H, K=p.K, V=p.V, BT=p.cfg.BT, BV=BV,
         REVERSE=reverse, HAS_X0=x0 is not None, IS_VARLEN=p.cu_seqlens is not None, PREC=_prec(p.q.dtype),
-        **_kw(p.cfg.state_pass))
+        SLOTS=p.cfg.slots, **_kw(p.cfg.state_pass))
     return states, xT
 
 
 def run_fwd_out(p: Problem, tinv: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """o; on the split path it also fills the other sub-chunk slots of `states` in place."""
     BV = p.cfg.tile("fwd_out")
     o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=p.q.device)
+    save = dict(SAVE_SUB=True, NS=p.cfg.slots) if p.cfg.slots > 1 else {}
     _kern._fwd_out_kernel[(p.NC, p.H, triton.cdiv(p.V, BV))](
         p.q, p.k, p.v, p.g, p.beta, tinv, o, states, p.spans, p.T, p.scale, V=p.V, BV=BV, **_geom(p),
-        **_kw(p.cfg.fwd_out))
+        **save, **_kw(p.cfg.fwd_out))
     return o
 
 
@@ -280,34 +306,71 @@ def run_bwd_prep(p: Problem, tinv: torch.Tensor, do: torch.Tensor) -> torch.Tens
     return mr
 
 
+def _grad_buffers(p: Problem, NV: int):
+    """dq, dk, dv, dg, dβ outputs of the gradient kernels; with several value blocks,
+    dq/dk/dg/dβ are fp32 partial sums, one slab per block ([NV, ...])."""
+    dev, f32 = p.q.device, torch.float32
+    B, T, H, K = p.B, p.T, p.H, p.K
+    part_dtype = f32 if NV > 1 else None
+    dq = torch.empty(NV, B, T, H, K, dtype=part_dtype or p.q.dtype, device=dev)
+    dk = torch.empty(NV, B, T, H, K, dtype=part_dtype or p.k.dtype, device=dev)
+    dv = torch.empty(B, T, H, p.V, dtype=p.v.dtype, device=dev)
+    dg = torch.empty(NV, B, T, H, dtype=part_dtype or p.g.dtype, device=dev)
+    db = torch.empty(NV, B, T, H, dtype=part_dtype or p.beta.dtype, device=dev)
+    return dq, dk, dv, dg, db
+
+
+def _sum_parts(p: Problem, dq, dk, dv, dg, db):
+    if dq.shape[0] > 1:
+        return (dq.sum(0).to(p.q.dtype), dk.sum(0).to(p.k.dtype), dv, dg.sum(0).to(p.g.dtype),
+                db.sum(0).to(p.beta.dtype))
+    return dq[0], dk[0], dv, dg[0], db[0]
+
+
 def run_bwd_local(p: Problem, tinv, do, states, dstates):
     """(dq, dk, dv, dg, dβ) from each chunk's start state and end-state gradient."""
     BV = p.cfg.tile("bwd_local")
     NV = triton.cdiv(p.V, BV)
     NS = p.cfg.BT // p.cfg.BC
-    dev, f32 = p.q.device, torch.float32
     B, T, H, K = p.B, p.T, p.H, p.K
-    scratch = torch.empty(p.NC, H, NV, NS, K, BV, dtype=f32, device=dev)
-    # with several value blocks, dq/dk/dg/dβ are fp32 partial sums, one slab per block
-    part_dtype = f32 if NV > 1 else None
-    dq = torch.empty(NV, B, T, H, K, dtype=part_dtype or p.q.dtype, device=dev)
-    dk = torch.empty(NV, B, T, H, K, dtype=part_dtype or p.k.dtype, device=dev)
-    dg = torch.empty(NV, B, T, H, dtype=part_dtype or p.g.dtype, device=dev)
-    db = torch.empty(NV, B, T, H, dtype=part_dtype or p.beta.dtype, device=dev)
-    dv = torch.empty(B, T, H, p.V, dtype=p.v.dtype, device=dev)
+    scratch = torch.empty(p.NC, H, NV, NS, K, BV, dtype=torch.float32, device=p.q.device)
+    dq, dk, dv, dg, db = grads = _grad_buffers(p, NV)
     _kern._bwd_local_kernel[(p.NC, H, NV)](
         p.q, p.k, p.v, p.g, p.beta, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, p.spans, p.T,
         p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, **_geom(p), **_kw(p.cfg.bwd_local))
-    if NV > 1:
-        return (dq.sum(0).to(p.q.dtype), dk.sum(0).to(p.k.dtype), dv, dg.sum(0).to(p.g.dtype),
-                db.sum(0).to(p.beta.dtype))
-    return dq[0], dk[0], dv, dg[0], db[0]
+    return _sum_parts(p, *grads)
+
+
+def run_bwd_dstate(p: Problem, tinv, do, dsub) -> torch.Tensor:
+    """Split path: every sub-chunk's end-state gradient, in place in `dsub` ([NC·NS, H, K, V],
+    whose first slot per chunk holds the chunk's end-state gradient from the reverse pass)."""
+    BV = p.cfg.tile("bwd_dstate")
+    _kern._bwd_dstate_kernel[(p.NC, p.H, triton.cdiv(p.V, BV))](
+        p.q, p.k, p.g, p.beta, tinv, do, dsub, p.spans, p.T, p.scale, V=p.V, BV=BV, NS=p.cfg.BT // p.cfg.BC,
+        **_geom(p), **_kw(p.cfg.bwd_dstate))
+    return dsub
+
+
+def run_bwd_sub(p: Problem, tinv, do, sub_states, dsub):
+    """Split path: (dq, dk, dv, dg, dβ), one program per sub-chunk, from its saved start
+    state and end-state gradient."""
+    BV = p.cfg.tile("bwd_sub")
+    NV = triton.cdiv(p.V, BV)
+    NS = p.cfg.BT // p.cfg.BC
+    B, T, H, K = p.B, p.T, p.H, p.K
+    dq, dk, dv, dg, db = grads = _grad_buffers(p, NV)
+    _kern._bwd_sub_kernel[(p.NC * NS, H, NV)](
+        p.q, p.k, p.v, p.g, p.beta, tinv, do, sub_states, dsub, dq, dk, dv, dg, db, p.spans, p.T,
+        p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NS=NS, **_geom(p), **_kw(p.cfg.bwd_sub))
+    return _sum_parts(p, *grads)
 
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
     tinv = run_wy_inverse(p)  # saved for the backward
     mn = run_fwd_prep(p, tinv)
+    # saved for the backward: chunk start states [NC, H, K, V], or on the split path every
+    # sub-chunk's start state [NC·NS, H, K, V] (the pass fills slot 0 per chunk, _fwd_out the rest)
     states, final_state = run_state_pass(p, mn, initial_state, reverse=False)
     o = run_fwd_out(p, tinv, states)
     return o, final_state, states, tinv
@@ -315,9 +378,19 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm):
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
+    if states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.BC:
+        raise RuntimeError(
+            "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
+            "changed between the forward and the backward?)")
     mr = run_bwd_prep(p, tinv, do)
+    # split path: dstates has one slot per sub-chunk; the pass fills slot 0 of each chunk with
+    # the chunk's end-state gradient, _bwd_dstate the sub-chunk end-state gradients
     dstates, dh0 = run_state_pass(p, mr, dht, reverse=True)
-    dq, dk, dv, dg, db = run_bwd_local(p, tinv, do, states, dstates)
+    if p.cfg.bwd_split:
+        run_bwd_dstate(p, tinv, do, dstates)
+        dq, dk, dv, dg, db = run_bwd_sub(p, tinv, do, states, dstates)
+    else:
+        dq, dk, dv, dg, db = run_bwd_local(p, tinv, do, states, dstates)
     return dq, dk, dv, dg, db, dh0
 
 
@@ -338,7 +411,9 @@ def gdn_chunk_fwd(
     scale: float,
     use_qk_l2norm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (o, final_state, and for the backward: chunk start states, sub-chunk inverses)."""
+    """Returns (o, final_state, and for the backward: saved states, sub-chunk inverses). The
+    saved states are the chunk start states [NC, H, K, V], or with Config.bwd_split the start
+    state of every sub-chunk [NC·BT/BC, H, K, V] (same schema; the shape follows the config)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
     return _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm)
@@ -350,7 +425,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm):
     return (
         v.new_empty(B, T, H, V),
         q.new_empty(N, H, K, V, dtype=torch.float32),
-        q.new_empty(NC, H, K, V, dtype=torch.float32),
+        q.new_empty(NC * cfg.slots, H, K, V, dtype=torch.float32),
         q.new_empty(B, T, H, cfg.BC, dtype=torch.float32),
     )
 
@@ -486,6 +561,7 @@ def chunk_gated_delta_rule(
 
 
 __all__ = [
-    "KERNELS", "TABLE", "TUNING", "Config", "KernelCfg", "Problem", "chunk_gated_delta_rule", "config_from_entry",
+    "KERNELS", "KERNELS_LOCAL", "KERNELS_SPLIT", "TABLE", "TUNING", "Config", "KernelCfg", "Problem",
+    "chunk_gated_delta_rule", "config_from_entry",
     "gdn_chunk_bwd", "gdn_chunk_fwd", "get_config", "make_problem",
 ]

@@ -19,6 +19,10 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   chunk's fp32 boundary state, so no w, u or v_new tensor reaches HBM.
 - Every tile is exactly K or V wide (no padding of 32 to 64). V can be split across
   programs.
+- Split backward (``Config.bwd_split``, an alternative to ``_bwd_local``, off by default until
+  measured): ``_fwd_out`` saves every sub-chunk's start state, ``_bwd_dstate`` walks each
+  chunk's sub-chunks in reverse carrying only dS and saves each sub-chunk's end-state
+  gradient, and ``_bwd_sub`` computes the input gradients with one program per sub-chunk.
 
 Measured on an H200 (BENCHMARKS.md): 1.8× faster than fla-core 0.6 at (4, 4096, 40, 32, 32)
 fwd+bwd, well short of the 8× goal. Each sub-chunk is a chain of tiny dependent dots,
@@ -44,6 +48,19 @@ def _chunk_span(i_c, chunk_spans, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
         t0 = i_n * T + (i_c % nt).to(tl.int32) * BT
         eos = i_n * T + T
     return t0, eos
+
+
+@triton.jit
+def _chunk_tile(chunk_spans, T, BT: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                V: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A (chunk, head, value block) program: its ids, its chunk's token span and the index
+    vectors of sub-chunk rows, keys and its value columns (with their mask)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    o_v = i_v * BV + tl.arange(0, BV)
+    return i_c, i_h, i_v, t0, eos, tl.arange(0, BC), tl.arange(0, K), o_v, o_v < V
 
 
 @triton.jit
@@ -185,10 +202,13 @@ def _state_pass_kernel(
     ab, states, x0, xT, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     REVERSE: tl.constexpr, HAS_X0: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    SLOTS: tl.constexpr = 1,
 ):
     """The only sequential loop: X ← A_c X + B_c over the chunks of one sequence, with
-    ab[c] = [A_c | B_c] ([K, K + V]); stores X *before* each chunk into states[c].
-    Forward: [M | N], X = S, chunks in order. Backward: [Mᵀ | R], X = dS, reverse order."""
+    ab[c] = [A_c | B_c] ([K, K + V]); stores X *before* each chunk into states[c·SLOTS].
+    Forward: [M | N], X = S, chunks in order. Backward: [Mᵀ | R], X = dS, reverse order.
+    SLOTS > 1 (the split backward): states has one slot per sub-chunk, [NC·SLOTS, H, K, V],
+    and the pass fills the first slot of each chunk; the other kernels fill the rest."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -213,7 +233,11 @@ def _state_pass_kernel(
         else:
             c = c0 + j
         base = (c.to(tl.int64) * H + i_h) * K + o_k[:, None]
-        tl.store(states + base * V + o_v[None, :], X, mask=m_v[None, :])
+        if SLOTS == 1:
+            tl.store(states + base * V + o_v[None, :], X, mask=m_v[None, :])
+        else:
+            p_st = ((c.to(tl.int64) * SLOTS * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+            tl.store(states + p_st, X, mask=m_v[None, :])
         Ac = tl.load(ab + base * (K + V) + o_k[None, :])
         Bc = tl.load(ab + base * (K + V) + K + o_v[None, :], mask=m_v[None, :], other=0.0)
         X = tl.dot(Ac, X, input_precision=PREC) + Bc
@@ -226,24 +250,30 @@ def _fwd_out_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    SAVE_SUB: tl.constexpr = False, NS: tl.constexpr = 1,
 ):
     """Outputs of one chunk (value columns i_v·BV …) from its start state, sub-chunk by
-    sub-chunk: v_new = U − W S; O = (Q ⊙ e^γ) S + P v_new; S ← e^{γ_L} S + K̃ᵀ v_new."""
-    i_c = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    sub-chunk: v_new = U − W S; O = (Q ⊙ e^γ) S + P v_new; S ← e^{γ_L} S + K̃ᵀ v_new.
+    SAVE_SUB (the split backward): states is [NC·NS, H, K, V], one slot per sub-chunk, whose
+    first slot per chunk the state pass filled; this kernel stores every sub-chunk's start
+    state in its slot (slots past the end of the sequence get zeros)."""
+    i_c, i_h, i_v, t0, eos, o_r, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BC, K, BV, V, IS_VARLEN)
+    m_k = o_k < K
+    n_sub = tl.maximum(tl.cdiv(tl.minimum(eos - t0, BT), BC), 0)
+    if SAVE_SUB:
+        p_s = (((i_c * NS) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        for s in range(n_sub, NS):  # the saved tensor is defined everywhere
+            tl.store(states + p_s + s * (H * K * V), tl.zeros([K, BV], dtype=tl.float32), mask=m_v[None, :])
+    else:
+        p_s = ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
     if t0 >= eos:
         return
-    o_r = tl.arange(0, BC)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
     incl = o_r[:, None] >= o_r[None, :]
-    S = tl.load(states + ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-    n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
+    S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
     for s in range(n_sub):
+        if SAVE_SUB:
+            if s > 0:
+                tl.store(states + p_s + s * (H * K * V), S, mask=m_v[None, :])
         rows = t0 + s * BC + o_r
         m_r = rows < eos
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
@@ -273,6 +303,106 @@ def _fwd_out_kernel(
 
 
 @triton.jit
+def _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC: tl.constexpr, PREC: tl.constexpr):
+    """Gradient of a sub-chunk's start state from the gradient dZ of its end state and dO
+    (only the state path: dv' = Pᵀ dO + K̃ dZ; dZ ← (Q ⊙ e^γ)ᵀ dO + e^{γ_L} dZ − Wᵀ dv')."""
+    o_r = tl.arange(0, BC)
+    incl = o_r[:, None] >= o_r[None, :]
+    gam = tl.cumsum(gb, axis=0)
+    gL = tl.sum(gb, 0)
+    eg = tl.exp(gam)
+    W = tl.dot(Tm, kb * (bb * eg)[:, None], input_precision=PREC)
+    qs = qb * scale
+    G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
+    Kt = kb * tl.exp(gL - gam)[:, None]
+    dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dZ, input_precision=PREC)
+    return (tl.dot(tl.trans(qs * eg[:, None]), dob, input_precision=PREC) + tl.exp(gL) * dZ
+            - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+
+
+@triton.jit
+def _sub_chunk_grads(
+    q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale, part_qk, part_t,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    NORM_QK: tl.constexpr, PREC: tl.constexpr, WANT_DS: tl.constexpr,
+):
+    """dq, dk, dv, dg, dβ of one sub-chunk (value columns i_v·BV …; partial sums over the
+    value blocks at offsets i_v·part_qk / i_v·part_t) from its start state S and the gradient
+    dS of its end state (README, Backward). Returns the gradient of its start state when
+    WANT_DS (the sequential sweep of _bwd_local), else dS unchanged (_bwd_sub)."""
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    incl = o_r[:, None] >= o_r[None, :]
+    lower = o_r[:, None] > o_r[None, :]
+    kb, rk = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+    qb, rq = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+    vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+    dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
+    gb = _load_vec(g, rows, m_r, i_h, H)
+    bb = _load_vec(beta, rows, m_r, i_h, H)
+    Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+    gam, decay, Bkk, A = _gram(kb, gb, bb, BC, PREC)
+    gL = tl.sum(gb, 0)
+    eg = tl.exp(gam)
+    egL = tl.exp(gL)
+    ed = tl.exp(gL - gam)
+    X = kb * (bb * eg)[:, None]
+    W = tl.dot(Tm, X, input_precision=PREC)
+    vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
+    qs = qb * scale
+    G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
+    Qt = qs * eg[:, None]
+    Kt = kb * ed[:, None]
+
+    # adjoints of the sub-chunk's intermediates (dS = gradient of its end state)
+    dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dS, input_precision=PREC)
+    dY = tl.dot(tl.trans(Tm), dvn, input_precision=PREC)
+    dX = -tl.dot(dY, tl.trans(S), input_precision=PREC)
+    dQt = tl.dot(dob, tl.trans(S), input_precision=PREC)
+    dP = tl.where(incl, tl.dot(dob, tl.trans(vn), input_precision=PREC), 0.0)
+    dKt = tl.dot(vn, tl.trans(dS), input_precision=PREC)
+    dA = tl.where(lower, -tl.dot(dY, tl.trans(vn), input_precision=PREC), 0.0)
+    dgL = egL * tl.sum(tl.sum(dS * S, 1), 0)
+    if WANT_DS:
+        dS = (tl.dot(tl.trans(Qt), dob, input_precision=PREC) + egL * dS
+              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+
+    # gradients of the inputs
+    dPG = dP * G_in
+    Gk = dA * decay * bb[:, None]
+    dqb = (dQt * eg[:, None] + tl.dot(dPG, kb, input_precision=PREC)) * scale
+    dkb = (tl.dot(tl.trans(dPG), qs, input_precision=PREC) + dKt * ed[:, None] + dX * (bb * eg)[:, None]
+           + tl.dot(Gk, kb, input_precision=PREC) + tl.dot(tl.trans(Gk), kb, input_precision=PREC))
+    dvb = dY * bb[:, None]
+    dbb = eg * tl.sum(dX * kb, 1) + tl.sum(dY * vb, 1) + tl.sum(dA * Bkk, 1)
+    E = dP * Pm + dA * A
+    Fk = tl.sum(dKt * Kt, 1)
+    dgam = tl.sum(dQt * Qt, 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + tl.sum(dX * X, 1)
+    dgL = dgL + tl.sum(Fk, 0)
+    dgb = tl.sum(dgam, 0) - tl.cumsum(dgam, axis=0) + dgam + dgL
+    if NORM_QK:
+        dqb = rq[:, None] * (dqb - qb * tl.sum(qb * dqb, 1)[:, None])
+        dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])
+
+    r64 = rows.to(tl.int64)
+    m_rk = m_r[:, None] & m_k[None, :]
+    p_qk = (r64 * H + i_h)[:, None] * K + o_k[None, :] + i_v * part_qk
+    tl.store(dq + p_qk, dqb.to(dq.dtype.element_ty), mask=m_rk)
+    tl.store(dk + p_qk, dkb.to(dk.dtype.element_ty), mask=m_rk)
+    p_v = (r64 * H + i_h)[:, None] * V + o_v[None, :]
+    tl.store(dv + p_v, dvb.to(dv.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+    p_t = r64 * H + i_h + i_v * part_t
+    tl.store(dg + p_t, dgb.to(dg.dtype.element_ty), mask=m_r)
+    tl.store(db + p_t, dbb.to(db.dtype.element_ty), mask=m_r)
+    return dS
+
+
+@triton.jit
 def _bwd_prep_kernel(
     q, k, g, beta, tinv, do, mr, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -294,7 +424,6 @@ def _bwd_prep_kernel(
     m_z = o_z < K + V
     m_zv = (o_z >= K) & m_z
     m_k = o_k < K
-    incl = o_r[:, None] >= o_r[None, :]
     dZ = tl.where(o_k[:, None] == o_z[None, :], 1.0, 0.0)
     n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
     for j in range(n_sub):
@@ -307,17 +436,7 @@ def _bwd_prep_kernel(
         gb = _load_vec(g, rows, m_r, i_h, H)
         bb = _load_vec(beta, rows, m_r, i_h, H)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        gam = tl.cumsum(gb, axis=0)
-        gL = tl.sum(gb, 0)
-        eg = tl.exp(gam)
-        W = tl.dot(Tm, kb * (bb * eg)[:, None], input_precision=PREC)
-        qs = qb * scale
-        G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
-        Kt = kb * tl.exp(gL - gam)[:, None]
-        dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dZ, input_precision=PREC)
-        dZ = (tl.dot(tl.trans(qs * eg[:, None]), dob, input_precision=PREC) + tl.exp(gL) * dZ
-              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+        dZ = _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC, PREC)
     p = mr + ((i_c * H + i_h) * K + o_k[:, None]) * (K + V) + o_z[None, :]
     tl.store(p, dZ, mask=m_z[None, :])
 
@@ -335,19 +454,10 @@ def _bwd_local_kernel(
     dS of its end state. A forward sweep stores the sub-chunk start states (scratch), then a
     reverse sweep runs the adjoint recurrence and emits dq, dk, dv, dg, dβ. With several value
     blocks, dq/dk/dg/dβ are partial sums (offsets part_qk / part_t per block)."""
-    i_c = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    i_c, i_h, i_v, t0, eos, o_r, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BC, K, BV, V, IS_VARLEN)
     if t0 >= eos:
         return
-    o_r = tl.arange(0, BC)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
-    m_v = o_v < V
-    incl = o_r[:, None] >= o_r[None, :]
-    lower = o_r[:, None] > o_r[None, :]
     p_s = ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
     S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
     dS = tl.load(dstates + p_s, mask=m_v[None, :], other=0.0)
@@ -380,63 +490,69 @@ def _bwd_local_kernel(
         S = tl.load(p_scr + s * K * BV)
         rows = t0 + s * BC + o_r
         m_r = rows < eos
-        kb, rk = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
-        qb, rq = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
-        vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+        dS = _sub_chunk_grads(q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale,
+                              part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, True)
+
+
+@triton.jit
+def _bwd_dstate_kernel(
+    q, k, g, beta, tinv, do, dsub, chunk_spans, T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Split backward, sequential part: the end-state gradient dS' of every sub-chunk of one
+    chunk (value columns i_v·BV …). dsub is [NC·NS, H, K, V], one slot per sub-chunk; the
+    reverse state pass left the chunk's end-state gradient in its first slot. The reverse
+    sweep carries only dS (_adjoint_step) and writes each sub-chunk's dS' into its slot."""
+    i_c, i_h, i_v, t0, eos, o_r, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BC, K, BV, V, IS_VARLEN)
+    if t0 >= eos:
+        return
+    m_k = o_k < K
+    p_s = (((i_c * NS) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    dS = tl.load(dsub + p_s, mask=m_v[None, :], other=0.0)
+    n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
+    # sub-chunks n_sub - 1 … 1: store dS' of sub-chunk s, step to its start (= dS' of s − 1)
+    for j in range(n_sub - 1):
+        s = n_sub - 1 - j
+        tl.store(dsub + p_s + s * (H * K * V), dS, mask=m_v[None, :])
+        rows = t0 + s * BC + o_r
+        m_r = rows < eos
+        kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+        qb, _ = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
         gb = _load_vec(g, rows, m_r, i_h, H)
         bb = _load_vec(beta, rows, m_r, i_h, H)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        gam, decay, Bkk, A = _gram(kb, gb, bb, BC, PREC)
-        gL = tl.sum(gb, 0)
-        eg = tl.exp(gam)
-        egL = tl.exp(gL)
-        ed = tl.exp(gL - gam)
-        X = kb * (bb * eg)[:, None]
-        W = tl.dot(Tm, X, input_precision=PREC)
-        vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
-        qs = qb * scale
-        G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
-        Qt = qs * eg[:, None]
-        Kt = kb * ed[:, None]
+        dS = _adjoint_step(qb, kb, gb, bb, Tm, dob, dS, scale, BC, PREC)
+    tl.store(dsub + p_s, dS, mask=m_v[None, :])
 
-        # adjoints of the sub-chunk's intermediates (dS = gradient of its end state)
-        dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dS, input_precision=PREC)
-        dY = tl.dot(tl.trans(Tm), dvn, input_precision=PREC)
-        dX = -tl.dot(dY, tl.trans(S), input_precision=PREC)
-        dQt = tl.dot(dob, tl.trans(S), input_precision=PREC)
-        dP = tl.where(incl, tl.dot(dob, tl.trans(vn), input_precision=PREC), 0.0)
-        dKt = tl.dot(vn, tl.trans(dS), input_precision=PREC)
-        dA = tl.where(lower, -tl.dot(dY, tl.trans(vn), input_precision=PREC), 0.0)
-        dgL = egL * tl.sum(tl.sum(dS * S, 1), 0)
-        dS = (tl.dot(tl.trans(Qt), dob, input_precision=PREC) + egL * dS
-              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
 
-        # gradients of the inputs
-        dPG = dP * G_in
-        Gk = dA * decay * bb[:, None]
-        dqb = (dQt * eg[:, None] + tl.dot(dPG, kb, input_precision=PREC)) * scale
-        dkb = (tl.dot(tl.trans(dPG), qs, input_precision=PREC) + dKt * ed[:, None] + dX * (bb * eg)[:, None]
-               + tl.dot(Gk, kb, input_precision=PREC) + tl.dot(tl.trans(Gk), kb, input_precision=PREC))
-        dvb = dY * bb[:, None]
-        dbb = eg * tl.sum(dX * kb, 1) + tl.sum(dY * vb, 1) + tl.sum(dA * Bkk, 1)
-        E = dP * Pm + dA * A
-        Fk = tl.sum(dKt * Kt, 1)
-        dgam = tl.sum(dQt * Qt, 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + tl.sum(dX * X, 1)
-        dgL = dgL + tl.sum(Fk, 0)
-        dgb = tl.sum(dgam, 0) - tl.cumsum(dgam, axis=0) + dgam + dgL
-        if NORM_QK:
-            dqb = rq[:, None] * (dqb - qb * tl.sum(qb * dqb, 1)[:, None])
-            dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])
-
-        r64 = rows.to(tl.int64)
-        m_rk = m_r[:, None] & m_k[None, :]
-        p_qk = (r64 * H + i_h)[:, None] * K + o_k[None, :] + i_v * part_qk
-        tl.store(dq + p_qk, dqb.to(dq.dtype.element_ty), mask=m_rk)
-        tl.store(dk + p_qk, dkb.to(dk.dtype.element_ty), mask=m_rk)
-        p_v = (r64 * H + i_h)[:, None] * V + o_v[None, :]
-        tl.store(dv + p_v, dvb.to(dv.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
-        p_t = r64 * H + i_h + i_v * part_t
-        tl.store(dg + p_t, dgb.to(dg.dtype.element_ty), mask=m_r)
-        tl.store(db + p_t, dbb.to(db.dtype.element_ty), mask=m_r)
+@triton.jit
+def _bwd_sub_kernel(
+    q, k, v, g, beta, tinv, do, sub_states, dsub, dq, dk, dv, dg, db, chunk_spans, T, scale,
+    part_qk, part_t,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Split backward, parallel part: the gradients of one sub-chunk (value columns i_v·BV …)
+    from its saved start state S (_fwd_out) and end-state gradient dS' (_bwd_dstate); no loop.
+    With several value blocks, dq/dk/dg/dβ are partial sums (offsets part_qk / part_t)."""
+    i_cs = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_c = i_cs // NS
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    r0 = t0 + (i_cs % NS).to(tl.int32) * BC
+    if r0 >= eos:
+        return
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_s = ((i_cs * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    S = tl.load(sub_states + p_s, mask=m_v[None, :], other=0.0)
+    dS = tl.load(dsub + p_s, mask=m_v[None, :], other=0.0)
+    rows = r0 + tl.arange(0, BC)
+    _sub_chunk_grads(q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, rows < eos, i_h, i_v, S, dS, scale,
+                     part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, False)

@@ -4,6 +4,8 @@ On a machine without a GPU the kernels run in Triton's interpreter (tests/kernel
 sets TRITON_INTERPRET=1), in fp32 on tiny shapes: the interpreter gets bf16 wrong, so bf16 is
 checked by the `gpu` tests only. Every output and every gradient (q, k, v, g, beta,
 initial_state) is compared with its own hard tolerance, outputs poisoned with NaN first.
+The parity tests run both backward paths (`bwd_path`: _bwd_local, or the split
+_bwd_dstate + _bwd_sub of Config.bwd_split).
 """
 
 from __future__ import annotations
@@ -92,6 +94,16 @@ def run_and_compare(x, *, cu_seqlens=None, l2norm=False, tol, output_final_state
     return errs
 
 
+@pytest.fixture(params=["local", "split"])
+def bwd_path(request, monkeypatch):
+    """Runs a test with each backward path: every TABLE entry gets bwd_split set (a test that
+    sets chunk.TUNING itself applies the returned flag to its Config)."""
+    split = request.param == "split"
+    for key, entry in list(gdn_chunk.TABLE.items()):
+        monkeypatch.setitem(gdn_chunk.TABLE, key, dict(entry, bwd_split=split))
+    return split
+
+
 @pytest.fixture
 def tuning():
     """Sets a kernel tiling for one test and restores the defaults afterwards."""
@@ -112,12 +124,12 @@ def tuning():
     ],
     ids=lambda p: str(p),
 )
-def test_chunk(B, T, H, K, V, h0):
+def test_chunk(B, T, H, K, V, h0, bwd_path):
     x = make_inputs(B, T, H, K, V, n_states=B if h0 else 0, dtype=torch.float32)
     run_and_compare(x, tol=TOL[torch.float32])
 
 
-def test_chunk_varlen():
+def test_chunk_varlen(bwd_path):
     # documents of 1, 36, 0 (empty) and 63 tokens, packed into one row, each with its own state
     cu = torch.tensor([0, 1, 37, 37, 100], dtype=torch.int32, device=DEVICE)
     x = make_inputs(1, 100, 2, 32, 32, n_states=4, dtype=torch.float32)
@@ -136,12 +148,12 @@ def test_chunk_varlen_equals_separate_documents():
         torch.testing.assert_close(ht[i : i + 1], hi, rtol=1e-5, atol=1e-5)
 
 
-def test_l2norm_in_kernel():
+def test_l2norm_in_kernel(bwd_path):
     x = make_inputs(2, 40, 1, 32, 32, n_states=2, dtype=torch.float32, normalize_k=False)
     run_and_compare(x, l2norm=True, tol=TOL[torch.float32])
 
 
-def test_without_state_arguments():
+def test_without_state_arguments(bwd_path):
     x = make_inputs(1, 50, 1, 32, 32, n_states=0, dtype=torch.float32)
     run_and_compare(x, output_final_state=False, tol=TOL[torch.float32])
 
@@ -157,12 +169,13 @@ def test_without_state_arguments():
         Config(BT=256, BC=16, BZ=64, BV=32, BV_PASS=16),
         # per-kernel column tiles (KernelCfg.block), as bench.py --tune writes them
         Config(BT=64, BC=16, BZ=64, BV=32, BV_PASS=16, fwd_prep=KernelCfg(1, 1, 32), fwd_out=KernelCfg(1, 2, 16),
-               bwd_prep=KernelCfg(2, 1, 64), bwd_local=KernelCfg(2, 3, 16), state_pass=KernelCfg(4, 2, 32)),
+               bwd_prep=KernelCfg(2, 1, 64), bwd_local=KernelCfg(2, 3, 16), state_pass=KernelCfg(4, 2, 32),
+               bwd_dstate=KernelCfg(1, 2, 16), bwd_sub=KernelCfg(1, 1, 32)),
     ],
     ids=["split-V", "BT128-BC32", "BT256", "per-kernel-tiles"],
 )
-def test_tilings(cfg, tuning):
-    tuning[(32, 32)] = cfg
+def test_tilings(cfg, tuning, bwd_path):
+    tuning[(32, 32)] = dataclasses.replace(cfg, bwd_split=bwd_path)
     cu = torch.tensor([0, 61, 130], dtype=torch.int32, device=DEVICE)
     x = make_inputs(1, 130, 1, 32, 32, n_states=2, dtype=torch.float32)
     run_and_compare(x, cu_seqlens=cu, tol=TOL[torch.float32])
@@ -174,18 +187,25 @@ def test_launch_table(monkeypatch):
     assert (cfg.BT, cfg.BC, cfg.BZ, cfg.BV, cfg.BV_PASS) == (128, 16, 64, 32, 16)
     assert cfg.wy_inverse == KernelCfg(1, 1) and cfg.bwd_local == KernelCfg(2, 2, 32)
     assert cfg.state_pass == KernelCfg(4, 3, 16)
+    # the split backward is an alternative, off until the GPU has measured it
+    assert not cfg.bwd_split and cfg.slots == 1 and cfg.kernels() == gdn_chunk.KERNELS_LOCAL
+    assert cfg.tile("bwd_dstate") == 32 and cfg.tile("bwd_sub") == 32
+    split = dataclasses.replace(cfg, bwd_split=True)
+    assert split.slots == 8 and split.kernels() == gdn_chunk.KERNELS_SPLIT
+    assert set(gdn_chunk.KERNELS) == set(gdn_chunk.KERNELS_LOCAL) | set(gdn_chunk.KERNELS_SPLIT)
     assert gdn_chunk.get_config(32, 32, 40).BT == 256
     assert gdn_chunk.get_config(16, 16).BZ == 32  # derived tiles are clamped to the head dims
     assert gdn_chunk.get_config(128, 128).BV_PASS == 32
     # a pasted entry applies to its class only, explicit tiles are clamped, blocks are per kernel
     entry = dict(BT=64, BT_FEW=128, BC=16, BZ=128, BV=64, BV_PASS=32, wy_inverse=(2, 1),
                  fwd_prep=(4, 2, 128), state_pass=(2, 3, 16), fwd_out=(4, 1, 64), bwd_prep=(4, 2, 64),
-                 bwd_local=(8, 1, 32))
+                 bwd_local=(8, 1, 32), bwd_split=True, bwd_dstate=(2, 2, 256), bwd_sub=(1, 1, 64))
     monkeypatch.setitem(gdn_chunk.TABLE, (128, 128), entry)
     cfg = gdn_chunk.get_config(128, 128, 256)
     assert cfg.BT == 64 and gdn_chunk.get_config(128, 128, 1).BT == 128
     assert cfg.fwd_prep == KernelCfg(4, 2, 128) and cfg.tile("fwd_prep") == 128 and cfg.tile("bwd_local") == 32
     assert cfg.tile("state_pass") == 16 and cfg.tile("wy_inverse") == 0
+    assert cfg.bwd_split and cfg.bwd_dstate == KernelCfg(2, 2, 128) and cfg.tile("bwd_sub") == 64
     assert gdn_chunk.get_config(64, 64).fwd_prep == KernelCfg(2, 1)
     assert gdn_chunk.get_config(128, 32).tile("fwd_out") == 32
     monkeypatch.setitem(gdn_chunk.TUNING, (128, 128), Config(BT=32))
@@ -209,7 +229,7 @@ def test_bench_tune_smoke(tmp_path, capsys):
     rec = json.loads(out.read_text())["shapes"]["1,20,1,16,16"]
     assert all(r["ok"] for r in rec["parity_default"] + rec["parity_tuned"] if "float32" in r["dtype"])
     assert set(rec["kernels"]) == set(gdn_chunk.KERNELS)
-    assert rec["table_entry"].startswith("(16, 16): dict(BT=")
+    assert rec["table_entry"].startswith("(16, 16): dict(BT=") and "bwd_split=False" in rec["table_entry"]
     assert "tune summary" in capsys.readouterr().out
 
 
@@ -221,14 +241,14 @@ def test_dispatcher_uses_the_kernel():
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
 
 
-def test_opcheck():
+def test_opcheck(bwd_path):
     x = make_inputs(1, 19, 1, 16, 16, n_states=1, dtype=torch.float32)
     args = ([x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
             + [x["h0"].clone().requires_grad_(), None, 0.25, False])
     torch.library.opcheck(torch.ops.hymo_kernels.gdn_chunk_fwd.default, args)
 
 
-def test_compile_fullgraph_matches_eager():
+def test_compile_fullgraph_matches_eager(bwd_path):
     """torch.compile(fullgraph=True) traces through the custom ops (no graph break)."""
     x = make_inputs(1, 33, 2, 16, 16, n_states=1, dtype=torch.float32)
 
@@ -249,6 +269,17 @@ def test_compile_fullgraph_matches_eager():
     torch.testing.assert_close(loss_c, loss_e)
     for a, b in zip(comp, eager):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_config_change_between_forward_and_backward_raises(tuning):
+    x = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
+    t = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    cfg = gdn_chunk.get_config(16, 16, 1)
+    tuning[(16, 16)] = dataclasses.replace(cfg, bwd_split=True)
+    o, _ = chunk_gated_delta_rule(*t)
+    tuning[(16, 16)] = dataclasses.replace(cfg, bwd_split=False)
+    with pytest.raises(RuntimeError, match="do not match the launch config"):
+        o.sum().backward()
 
 
 def test_clear_error_without_cuda_or_triton(monkeypatch):
@@ -281,7 +312,7 @@ def test_rejects_unsupported_head_dim():
     [(1, 1500, 3, 32, 32, True), (2, 257, 2, 64, 64, False)],
     ids=lambda p: str(p),
 )
-def test_gpu_parity(B, T, H, K, V, varlen, dtype):
+def test_gpu_parity(B, T, H, K, V, varlen, dtype, bwd_path):
     cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
     n = 4 if varlen else B
     x = make_inputs(B, T, H, K, V, n_states=n, dtype=dtype, device="cuda", normalize_k=False)
