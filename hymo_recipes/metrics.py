@@ -15,7 +15,9 @@ step (tensorboard tags):
   non-finite loss or gradient, in the whole run (across resumes) and in a row right now;
 - ``time_metrics/optimizer_step(s)`` and ``time_metrics/optimizer_step(%)``: mean time of the
   optimizer container's step (NaN check + every optimizer, optim/container.py ``StepTimer``)
-  since the last log, and its share of the wall time over the same interval.
+  since the last log, and its share of the wall time over the same interval;
+  ``time_metrics/optimizer_step_<name>(s)`` and ``(%)`` the same per part (``nan_check``, then
+  each optimizer by name: ``normuon``, ``cautious_adamw``).
 The MoE numbers are ratios on purpose: activation checkpointing re-runs a block's forward in
 backward, which counts every routed and dropped token twice; a ratio is unaffected.
 
@@ -113,6 +115,9 @@ class HymoMetricsProcessor(MetricsProcessor):
             if steps:
                 out["time_metrics/optimizer_step(s)"] = seconds / steps
                 out["time_metrics/optimizer_step(%)"] = 100 * seconds / elapsed
+                for name, lap in getattr(timer, "last_laps", {}).items():
+                    out[f"time_metrics/optimizer_step_{name}(s)"] = lap / steps
+                    out[f"time_metrics/optimizer_step_{name}(%)"] = 100 * lap / elapsed
         return out
 
     def _optimizer_lrs(self) -> dict[str, float]:

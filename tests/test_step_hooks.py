@@ -126,6 +126,8 @@ def test_skip_count_and_optimizer_step_time_metrics():
     from hymo_recipes.optim.nan_guard import NonFiniteGuard
 
     class Timer:
+        last_laps = {"normuon": 0.15, "cautious_adamw": 0.09}
+
         def collect(self):
             return 0.3, 3
 
@@ -138,3 +140,5 @@ def test_skip_count_and_optimizer_step_time_metrics():
     assert metrics["optimizer/consecutive_skipped"] == 0
     assert metrics["time_metrics/optimizer_step(s)"] == pytest.approx(0.1)
     assert metrics["time_metrics/optimizer_step(%)"] == pytest.approx(30, rel=0.05)
+    assert metrics["time_metrics/optimizer_step_normuon(s)"] == pytest.approx(0.05)
+    assert metrics["time_metrics/optimizer_step_cautious_adamw(%)"] == pytest.approx(9, rel=0.05)

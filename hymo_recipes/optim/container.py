@@ -71,7 +71,8 @@ class HymoOptimizersContainer(OptimizersContainer):
     ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
     say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
     optimizer; step hooks registered on the container fire once per train step (also on a
-    skipped one). ``step_timer`` measures each ``step`` (guard and optimizers, not the hooks).
+    skipped one). ``step_timer`` measures each ``step`` (guard and optimizers, not the hooks),
+    in all and per optimizer name.
     """
 
     def __init__(
@@ -116,8 +117,10 @@ class HymoOptimizersContainer(OptimizersContainer):
                         f"{guard.skipped_total} so far); {self.describe_nonfinite()}"
                     )
                     return
-            for optimizer in self.optimizers:
+                self.step_timer.lap("nan_check")
+            for name, optimizer in zip(self.optimizer_names, self.optimizers):
                 optimizer.step(*args, **kwargs)
+                self.step_timer.lap(name)
         finally:
             self.step_timer.stop(started)
 
@@ -175,45 +178,70 @@ _GUARD = "nan_guard"
 
 
 class StepTimer:
-    """Time spent in the optimizer container's ``step``, summed until ``collect()``.
+    """Time spent in the optimizer container's ``step``, summed until ``collect()``, in all and
+    per named lap (``lap(name)`` closes the interval since the step's start or the last lap:
+    the NaN check, then each optimizer, so the distributed NorMuon step has its own number).
 
-    On CUDA it records a pair of events on the current stream per step (no host sync; the
-    interval is the GPU timeline from the end of backward to the last optimizer kernel,
-    including idle gaps while the host launches kernels or waits for the NaN check). On CPU it
-    uses ``time.perf_counter``. ``collect()`` synchronises on the last event: call it only where
-    the host syncs anyway (TorchTitan's logging step).
+    On CUDA it records events on the current stream (no host sync; an interval is the GPU
+    timeline between two marks, including idle gaps while the host launches kernels or waits
+    for the NaN check). On CPU it uses ``time.perf_counter``. ``collect()`` synchronises on the
+    last event: call it only where the host syncs anyway (TorchTitan's logging step).
     """
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
-        self._pending: list = []
+        self._pending: list = []  # CUDA: per step [(lap name or None, event), ...]
+        self._marks: list = []
         self._seconds = 0.0
+        self._laps: dict[str, float] = {}
         self._steps = 0
+        self.last_laps: dict[str, float] = {}  # seconds per lap name, as of the last collect
 
-    def start(self):
+    def _mark(self, name):
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return event
-        return time.perf_counter()
+            self._marks.append((name, event))
+        else:
+            self._marks.append((name, time.perf_counter()))
+
+    def start(self):
+        self._marks = []
+        self._mark(None)
+        return self._marks[0][1]
+
+    def lap(self, name: str) -> None:
+        """Close the interval since the last mark under ``name`` (summed over a step's laps)."""
+        if self._marks:
+            self._mark(name)
 
     def stop(self, started) -> None:
+        if not self._marks or self._marks[0][1] is not started:
+            self._marks = [(None, started)]
+        self._mark(None)
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending.append((started, end))
+            self._pending.append(self._marks)
         else:
-            self._seconds += time.perf_counter() - started
+            self._add(self._marks, lambda a, b: b - a)
+        self._marks = []
         self._steps += 1
 
+    def _add(self, marks, seconds_between) -> None:
+        self._seconds += seconds_between(marks[0][1], marks[-1][1])
+        for (_, before), (name, after) in zip(marks, marks[1:]):
+            if name is not None:
+                self._laps[name] = self._laps.get(name, 0.0) + seconds_between(before, after)
+
     def collect(self) -> tuple[float, int]:
-        """(seconds, steps) since the last collect."""
+        """(seconds, steps) since the last collect; the per-lap seconds land in last_laps."""
         if self._pending:
-            self._pending[-1][1].synchronize()
-            self._seconds += sum(a.elapsed_time(b) for a, b in self._pending) / 1e3
+            self._pending[-1][-1][1].synchronize()
+            for marks in self._pending:
+                self._add(marks, lambda a, b: a.elapsed_time(b) / 1e3)
             self._pending.clear()
         out = (self._seconds, self._steps)
-        self._seconds, self._steps = 0.0, 0
+        self.last_laps = self._laps
+        self._seconds, self._laps, self._steps = 0.0, {}, 0
         return out
 
 

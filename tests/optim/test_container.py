@@ -253,7 +253,11 @@ def test_step_timer_counts_every_step():
     train_steps(model, opts, scheds, range(1, 4))
     seconds, steps = opts.step_timer.collect()
     assert steps == 3 and seconds > 0
-    assert opts.step_timer.collect() == (0.0, 0)
+    laps = opts.step_timer.last_laps
+    # one lap per optimizer name (the NaN check's too when the guard is on), inside the total
+    assert set(opts.optimizer_names) <= set(laps) <= set(opts.optimizer_names) | {"nan_check"}
+    assert all(v > 0 for v in laps.values()) and sum(laps.values()) <= seconds
+    assert opts.step_timer.collect() == (0.0, 0) and opts.step_timer.last_laps == {}
 
 
 @pytest.mark.parametrize("overrides, message", [
