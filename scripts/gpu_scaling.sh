@@ -51,7 +51,8 @@
 #
 # DRY=1: the same logic on CPU with train_configs/debug_model.toml (1 and 2 processes, FSDP2
 # over gloo, fp32, no compile), save at step 4, resume to 6; about 1.5 minutes on 2 idle cores.
-# Extra arguments go to every run (e.g. --optimizer.name AdamW).
+# Extra arguments go to every run (e.g. --optimizer.name AdamW). HYMO_PROBE_STEPS=21 (with
+# HYMO_PROBE_DIR) makes every run write scripts/update_probe.py's per-parameter table at step 21.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
@@ -99,8 +100,15 @@ NAME=gpu_scaling . scripts/gpu_env.sh
 # The training entry point, with the tensorboard events flushed at every logged step.
 WRAP_DIR=$(mktemp -d)
 cat > "${WRAP_DIR}/hymo_scaling_train.py" <<'PYEOF'
+import os
+import sys
+
 import hymo_recipes.train as hymo_train
 from torchtitan.components import metrics
+
+if os.environ.get("HYMO_PROBE_STEPS"):  # scripts/update_probe.py: per-parameter update norms
+    sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
+    import update_probe  # noqa: F401
 
 _log = metrics.TensorBoardLogger.log
 

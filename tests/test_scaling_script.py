@@ -20,6 +20,10 @@ def write_tb(folder: Path, steps, loss_of_step, tps: float, opt_pct: float) -> N
             "time_metrics/end_to_end(s)": 0.5,
             "time_metrics/optimizer_step(s)": 0.005 * opt_pct,
             "time_metrics/optimizer_step(%)": opt_pct,
+            # the container's parts: NorMuon 30 %, CautiousAdamW 60 % of its step
+            "time_metrics/optimizer_step_normuon(s)": 0.3 * 0.005 * opt_pct,
+            "time_metrics/optimizer_step_normuon(%)": 0.3 * opt_pct,
+            "time_metrics/optimizer_step_cautious_adamw(s)": 0.6 * 0.005 * opt_pct,
             "memory/max_reserved(GiB)": 30.0 + s,
             "memory/max_active(GiB)": 20.0,
             "optimizer/skipped_steps": 0.0,
@@ -71,9 +75,9 @@ def test_scaling_rows_and_resume_comparison(tmp_path):
     assert rc == 0, out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split() and line.split()[0] in ("1", "2")}
-    # GPUs batch steps 1st tok/s eff step opt opt% peak active loss@6 skipped
+    # GPUs batch steps 1st tok/s eff step opt opt% NorMuon NM% AdamW peak active loss@6 skipped
     assert rows["1"][1:] == ["4x4096", "6", "90s", "1,000", "100.0%", "0.500", "20.0", "4.0",
-                             "36.00", "20.00", "11.4000", "0"]
+                             "6.0", "1.2", "12.0", "36.00", "20.00", "11.4000", "0"]
     assert rows["2"][2] == "8" and rows["2"][4:9] == ["900", "90.0%", "0.500", "10.0", "2.0"]
     assert "means over steps 3-6" in out
     assert "step   7: reference 11.3000  resumed 11.4000  dloss +0.1000" in out
@@ -91,6 +95,20 @@ def test_scaling_rows_and_resume_comparison(tmp_path):
                     "--resume", "1", str(tmp_path / "r1"), str(tmp_path / "r1.log"))
     assert rc == 1 and "verdict: OUTSIDE tolerance" in out
 
+    # a resume that trains differently: every step within the per-step tolerance, but the
+    # loss falls 0.5 more than the reference's over the continued steps (the trend catches it)
+    fast = lambda s: ref_loss(s) - 0.5 * (s - 7)  # noqa: E731
+    write_tb(tmp_path / "r2", (7, 8), fast, tps=950.0, opt_pct=1.0)
+    write_log(tmp_path / "r2.log", [7, 8], fast, 950.0, accum=2,
+              extra="Resuming with 1 data-parallel ranks from a checkpoint of 2: the epoch in "
+                    "progress continues with the documents no rank has read yet (254 on rank 0, "
+                    "in 2 range(s)); the old ranks' buffered partial sequences are dropped")
+    rc, out = table(tmp_path, "--scale", "2", str(tmp_path / "s2"), str(tmp_path / "s2.log"),
+                    "--resume", "1", str(tmp_path / "r2"), str(tmp_path / "r2.log"))
+    assert rc == 1 and "verdict: OUTSIDE tolerance" in out, out
+    assert "the resumed loss moved -0.5000 more than the reference's" in out
+    assert "no rank has read yet (254 on rank 0, in 2 range(s))" in out
+
 
 def test_log_fills_in_a_run_without_tensorboard_and_missing_runs_are_named(tmp_path):
     """A run cut before its events were written still gets loss, tokens/s and memory from its
@@ -102,7 +120,7 @@ def test_log_fills_in_a_run_without_tensorboard_and_missing_runs_are_named(tmp_p
                     "--resume", "1", str(tmp_path / "nothing"), str(tmp_path / "missing.log"))
     assert rc == 1
     row = next(line.split() for line in out.splitlines() if line.startswith("   2"))
-    assert row[4] == "1,234" and row[6] == "1.000" and row[9] == "40.00"
+    assert row[4] == "1,234" and row[6] == "1.000" and row[9] == "-" and row[12] == "40.00"
     assert "NOTE: only 2 timed steps (4 logged, tensorboard 0)" in out
     assert "1  no step logged" in out
     assert "on 1 GPU(s): not run" in out
