@@ -51,6 +51,9 @@
 #
 # DRY=1: the same logic on CPU with train_configs/debug_model.toml (1 and 2 processes, FSDP2
 # over gloo, fp32, no compile), save at step 4, resume to 6; about 1.5 minutes on 2 idle cores.
+# CONFIG_BATCH_STEPS=N (default 0: skipped) adds a run on SAVE_NGPU GPUs with the config's own
+# batch (750m: global 128 of local 4, i.e. 16 microbatches per step on 2 GPUs), N steps, whose
+# table row gives the optimizer's and NorMuon's share of a training step as configured.
 # Extra arguments go to every run (e.g. --optimizer.name AdamW). HYMO_PROBE_STEPS=21 (with
 # HYMO_PROBE_DIR) makes every run write scripts/update_probe.py's per-parameter table at step 21.
 set -euo pipefail
@@ -228,6 +231,14 @@ for n in ${RESUME_NGPUS}; do
             --training.global_batch_size "${GLOBAL}" --checkpoint.enable --checkpoint.load_only "$@"
     fi
 done
+
+# 4. Optional: the config's own batch (global 128 of local 4: gradient accumulation) on S GPUs,
+#    CONFIG_BATCH_STEPS steps, for the optimizer's share of a real training step.
+if [ "${CONFIG_BATCH_STEPS:-0}" -gt 0 ]; then
+    name=config_batch_${SAVE_NGPU}gpu
+    run "${name}" "${SAVE_NGPU}" --training.steps "${CONFIG_BATCH_STEPS}" --checkpoint.no-enable "$@"
+    TABLE_ARGS+=(--config-batch "${SAVE_NGPU}" "${RUN_DIR}/${name}" "${RESULTS}/${name}.log")
+fi
 
 stamp "runs done; table"
 TABLE="${RUN_DIR}/table.txt"

@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=("NGPU", "DUMP_FOLDER", "LOG"))
     parser.add_argument("--resume", nargs=3, action="append", default=[],
                         metavar=("NGPU", "DUMP_FOLDER", "LOG"))
+    parser.add_argument("--config-batch", nargs=3, action="append", default=[],
+                        metavar=("NGPU", "DUMP_FOLDER", "LOG"),
+                        help="a run with the config's own (accumulated) batch; means over its "
+                        "steps after the first")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the means")
     parser.add_argument("--save-step", type=int, required=True)
     parser.add_argument("--save-ngpu", type=int, default=2)
@@ -219,15 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="")
     parser.add_argument("--json", type=Path, help="write every run's scalars and summary here")
     args = parser.parse_args(argv)
-    if not args.scale and not args.resume:
+    if not args.scale and not args.resume and not args.config_batch:
         parser.error("no runs given")
 
     runs, dump = {}, {}
-    for kind, specs in (("scale", args.scale), ("resume", args.resume)):
+    for kind, specs in (("scale", args.scale), ("resume", args.resume),
+                        ("config_batch", args.config_batch)):
         for n, folder, log in specs:
             scalars, info = read_run(Path(folder), Path(log))
             runs[(kind, int(n))] = (scalars, info)
-            key = f"resume_{args.save_ngpu}to{n}gpu" if kind == "resume" else f"scale_{n}gpu"
+            key = {"resume": f"resume_{args.save_ngpu}to{n}gpu",
+                   "config_batch": f"config_batch_{n}gpu"}.get(kind, f"scale_{n}gpu")
             dump[key] = {"info": info, "scalars": {
                 tag: {str(s): v for s, v in sorted(values.items())}
                 for tag, values in scalars.items()}}
@@ -276,6 +282,24 @@ def main(argv: list[str] | None = None) -> int:
               "CautiousAdamW), NorMuon / AdamW = its NorMuon and CautiousAdamW parts in ms, "
               "NM % = NorMuon's share of the wall time; peak = max_reserved of rank 0 (active: "
               "max_active)")
+
+    for n in sorted(n for kind, n in runs if kind == "config_batch"):
+        scalars, info = runs[("config_batch", n)]
+        steps = sorted(scalars.get(LOSS, {}))
+        r = summarize_scale(scalars, info, 1, steps[-1] if steps else 0)
+        print(f"\nThe config's own batch on {n} GPU(s): " + (
+            f"local {info.get('local_batch')}, global {info.get('global_batch')}, "
+            f"{info.get('accumulation')} microbatch(es) per step; means over steps 2-{steps[-1]}:"
+            if len(steps) > 1 else "fewer than 2 steps logged"
+            + (f" ({info['error']})" if "error" in info else "")))
+        if len(steps) > 1:
+            print(f"    step {fmt(r['step_s'], '.2f', 1)} s, tok/s/GPU {fmt(r['tps'], ',.0f', 1)}, "
+                  f"optimizer step {fmt(r['opt_ms'], '.1f', 1)} ms ({fmt(r['opt_pct'], '.2f', 1)} %"
+                  f"), NorMuon {fmt(r['normuon_ms'], '.1f', 1)} ms "
+                  f"({fmt(r['normuon_pct'], '.2f', 1)} % of the step), CautiousAdamW "
+                  f"{fmt(r['adamw_ms'], '.1f', 1)} ms, peak {fmt(r['reserved'], '.2f', 1)} GiB")
+        else:
+            ok = False
 
     resumes = sorted(n for kind, n in runs if kind == "resume")
     if resumes:

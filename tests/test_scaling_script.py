@@ -128,3 +128,20 @@ def test_log_fills_in_a_run_without_tensorboard_and_missing_runs_are_named(tmp_p
 
 def test_script_parses():
     subprocess.run(["bash", "-n", "scripts/gpu_scaling.sh"], cwd=REPO, check=True)
+
+
+def test_config_batch_row_reports_the_optimizer_share_of_an_accumulated_step(tmp_path):
+    loss = lambda s: 11.0  # noqa: E731
+    write_tb(tmp_path / "c2", range(1, 5), loss, tps=950.0, opt_pct=0.5)
+    write_log(tmp_path / "c2.log", list(range(1, 5)), loss, 950.0, local=4, global_=128, accum=16)
+    rc, out = table(tmp_path, "--config-batch", "2", str(tmp_path / "c2"), str(tmp_path / "c2.log"))
+    assert rc == 0, out
+    assert ("The config's own batch on 2 GPU(s): local 4, global 128, 16 microbatch(es) per "
+            "step; means over steps 2-4:") in out
+    # opt 0.005 s per % -> 2.5 ms; NorMuon 30 % of it (0.15 % of the step); CautiousAdamW 60 %
+    assert ("optimizer step 2.5 ms (0.50 %), NorMuon 0.8 ms (0.15 % of the step), "
+            "CautiousAdamW 1.5 ms") in out
+    # a run that logged fewer than 2 steps is named and fails the table
+    write_log(tmp_path / "c1.log", [1], loss, 950.0)
+    rc, out = table(tmp_path, "--config-batch", "1", str(tmp_path / "none"), str(tmp_path / "c1.log"))
+    assert rc == 1 and "on 1 GPU(s): fewer than 2 steps logged" in out
