@@ -32,8 +32,9 @@ def tokenizer():
         hf_assets_path=str(REPO / "assets/tokenizer"))))
 
 
-def loader(tokenizer, rank, world, batch=BATCH):
+def loader(tokenizer, rank, world, batch=BATCH, workers=0):
     config = JobConfig()  # TorchTitan's defaults: [training.dataloader] num_workers = 0, ...
+    config.training.dataloader.num_workers = workers
     config.training.dataset = "brown"
     config.training.dataset_path = str(REPO / "data/brown")
     config.training.seq_len, config.training.local_batch_size = SEQ, batch
@@ -204,3 +205,14 @@ def test_a_changed_dataset_is_a_clear_error(tokenizer):
     entry["docs"][1] = (entry["docs"][1][0] + 3, entry["docs"][1][1])  # not a contiguous split
     with pytest.raises(RuntimeError, match="contiguous split.*exclude_from_loading dataloader"):
         loader(tokenizer, 0, 1).load_state_dict({"hymo_data": pickle.dumps(entry)})
+
+
+def test_with_worker_processes_no_document_positions_are_saved(tokenizer):
+    """The main process's dataset copy does not read when workers do: its position would be
+    wrong, so the checkpoint leaves it out and a DP-degree change uses the sequence fallback."""
+    import pickle
+
+    dl = loader(tokenizer, 0, 1, workers=1)
+    take(dl, 2)
+    assert dl.local_state()[3] is None
+    assert pickle.loads(checkpoint([dl])["hymo_data"])["docs"] is None

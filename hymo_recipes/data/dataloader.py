@@ -23,7 +23,8 @@ when the checkpoint is written). On load:
   all ranks together (G // W', one more for the first G % W' ranks): the position in tokens is
   kept, the documents are not (some are read twice, as many are skipped).
 
-Tested with map-style datasets and ``num_workers = 0`` (the configs' setting).
+Document positions are saved for map-style datasets read without worker processes
+(``num_workers = 0``, the configs' setting); with workers, the sequence-count fallback applies.
 """
 
 from __future__ import annotations
@@ -147,7 +148,11 @@ class HymoDataloader(ParallelAwareDataloader):
         is (documents in this rank's shard, shard-relative ranges read in the epoch in
         progress) for a map-style dataset, else None."""
         docs = None
-        if isinstance(self.dataset, HymoTextDataset) and self.dataset.map_style:
+        # With worker processes the dataset here is not the copy that reads (each worker has
+        # its own), so its position says nothing: such a checkpoint keeps the sequence-count
+        # fallback on a DP-degree change.
+        if (self.num_workers == 0 and isinstance(self.dataset, HymoTextDataset)
+                and self.dataset.map_style):
             docs = (len(self.dataset._data), self.dataset.documents_read())
         return self.dp_rank, self.sequences_consumed, super().state_dict()[self._rank_id], docs
 
