@@ -44,14 +44,15 @@ class Optimizer:
     normuon_compiled: bool = False
     """Run NorMuon's per-shape elementwise maths under torch.compile (750m on an H200: 15.9 vs
     19.6 ms per step eager; BENCHMARKS.md). A one-off compile at the first step. Not yet
-    working in GPU training: with adamw_compiled also on, the 750m on 1 and 2 H200s (torch
-    2.11) stopped before step 1 with an InductorError (AssertionError); CPU training runs."""
+    shown in GPU training: with adamw_compiled also on, the 750m on 1 and 2 H200s (torch 2.11)
+    stopped before step 1 with an InductorError (AssertionError); CPU training runs."""
 
     adamw_cautious_update: bool = True
     adamw_cautious_wd: bool = True
     adamw_compiled: bool = False
     """Run CautiousAdamW's multi-tensor step under torch.compile (see BENCHMARKS.md). Not yet
-    working in GPU training (see normuon_compiled)."""
+    shown in GPU training (see normuon_compiled; the likely cause, an Inductor pass, is now
+    turned off for these graphs: optim/cautious_adamw.py)."""
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""
