@@ -105,8 +105,9 @@ KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
 # 16 for V ≤ 64 else 32; explicit values are clamped to the head dims). Per kernel
 # (num_warps, num_stages) or (num_warps, num_stages, block). `bench.py --tune` on a GPU
 # prints its winners in this format, to paste here. bwd_split picks the backward path
-# (False: _bwd_local; True: _bwd_dstate + _bwd_sub, not yet measured on a GPU); the launches
-# of bwd_dstate and bwd_sub are guesses until `bench.py --tune` has timed them.
+# (False: _bwd_local; True: _bwd_dstate + _bwd_sub, on an H200 6 % faster at
+# (4,4096,40,32,32) but 20 % slower at 8x and 32K tokens, untuned: README "Split backward");
+# the launches of bwd_dstate and bwd_sub are guesses until `bench.py --tune` has timed them.
 TABLE: dict[tuple[int, int], dict] = {
     # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
     # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8)
