@@ -186,8 +186,7 @@ def compare_resume(ref: dict, resumed: dict, save_step: int) -> dict:
         # how far the loss moved over the continued steps, resumed minus reference: a resume
         # that trains differently (lr, optimizer state) shows here even when every single
         # step is within the per-step tolerance
-        "trend_diff": ((res_loss[steps[-1]] - res_loss[steps[0]])
-                       - (ref_loss[steps[-1]] - ref_loss[steps[0]])) if steps else math.nan,
+        "trend_diff": _trend_diff(ref, resumed, LOSS, steps),
         "main_ce_trend_diff": _trend_diff(ref, resumed, MAIN_CE, steps),
     }
 

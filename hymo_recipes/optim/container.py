@@ -102,7 +102,7 @@ class HymoOptimizersContainer(OptimizersContainer):
         self._post_init(all_params, {})
 
     def step(self, *args, **kwargs) -> None:
-        started = self.step_timer.start()
+        self.step_timer.start()
         try:
             self.last_step_skipped = False
             if self.nan_guard is not None:
@@ -122,7 +122,7 @@ class HymoOptimizersContainer(OptimizersContainer):
                 optimizer.step(*args, **kwargs)
                 self.step_timer.lap(name)
         finally:
-            self.step_timer.stop(started)
+            self.step_timer.stop()
 
     def describe_nonfinite(self, limit: int = 5) -> str:
         """Names this rank's parameters whose gradient or value is non-finite.
@@ -205,19 +205,15 @@ class StepTimer:
         else:
             self._marks.append((name, time.perf_counter()))
 
-    def start(self):
+    def start(self) -> None:
         self._marks = []
         self._mark(None)
-        return self._marks[0][1]
 
     def lap(self, name: str) -> None:
         """Close the interval since the last mark under ``name`` (summed over a step's laps)."""
-        if self._marks:
-            self._mark(name)
+        self._mark(name)
 
-    def stop(self, started) -> None:
-        if not self._marks or self._marks[0][1] is not started:
-            self._marks = [(None, started)]
+    def stop(self) -> None:
         self._mark(None)
         if self.cuda:
             self._pending.append(self._marks)

@@ -108,6 +108,9 @@ KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
 # (False: _bwd_local; True: _bwd_dstate + _bwd_sub, on an H200 6 % faster at
 # (4,4096,40,32,32) but 20 % slower at 8x and 32K tokens, untuned: README "Split backward");
 # the launches of bwd_dstate and bwd_sub are guesses until `bench.py --tune` has timed them.
+_UNTUNED = dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
+                wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
+                bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1))
 TABLE: dict[tuple[int, int], dict] = {
     # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
     # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8)
@@ -116,17 +119,13 @@ TABLE: dict[tuple[int, int], dict] = {
                    bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32),
                    bwd_split=False, bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
     # K = V = 64 and 256: not tuned yet
-    (64, 64): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
-                   wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
-                   bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1)),
+    (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200, 2026-11-29 (53.6 -> 9.5 ms)
     (128, 128): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=64, BV_PASS=32,
                      wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 2, 128),
                      bwd_prep=(4, 2, 128), bwd_local=(8, 2, 128),
                      bwd_split=False, bwd_dstate=(4, 2, 128), bwd_sub=(8, 1, 128)),
-    (256, 256): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
-                     wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
-                     bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1)),
+    (256, 256): _UNTUNED,
 }
 
 # Overrides for benchmarking/tuning, keyed by (K, V); read by both the real and the fake
