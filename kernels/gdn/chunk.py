@@ -60,7 +60,9 @@ class Config:
     bwd_split: the backward's last stage is ``_bwd_dstate`` (sequential over a chunk's
     sub-chunks, carries only dS) + ``_bwd_sub`` (one program per sub-chunk) instead of
     ``_bwd_local``; the forward then saves every sub-chunk's start state (README, "Split
-    backward")."""
+    backward").
+    dot_bf16: with bf16 inputs, the dots run on bf16 operands (fp32 accumulation) instead of tf32
+    on fp32 ones, except those with T = (I + A)⁻¹, the WY inverse and the state pass."""
 
     BT: int = 64
     BC: int = 16
@@ -74,6 +76,7 @@ class Config:
     bwd_local: KernelCfg = KernelCfg()
     state_pass: KernelCfg = KernelCfg(4)
     bwd_split: bool = False
+    dot_bf16: bool = False
     bwd_dstate: KernelCfg = KernelCfg(1, 2)
     bwd_sub: KernelCfg = KernelCfg(2, 1)
 
@@ -113,18 +116,19 @@ _UNTUNED = dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
                 bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1))
 TABLE: dict[tuple[int, int], dict] = {
     # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
-    # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8)
+    # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8);
+    # bf16 dots: 15 % less GPU time at every K = 32 shape (tuned with tf32 dots)
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32),
-                   bwd_split=False, bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
+                   bwd_split=False, dot_bf16=True, bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
-    # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200, 2026-11-29 (53.6 -> 9.5 ms)
-    (128, 128): dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=64, BV_PASS=32,
-                     wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 2, 128),
-                     bwd_prep=(4, 2, 128), bwd_local=(8, 2, 128),
-                     bwd_split=False, bwd_dstate=(4, 2, 128), bwd_sub=(8, 1, 128)),
+    # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
+    # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; BENCHMARKS.md)
+    (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, dot_bf16=True,
+                     wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 1, 128),
+                     bwd_prep=(8, 3, 128), bwd_local=(8, 2, 128), bwd_dstate=(4, 3, 64), bwd_sub=(8, 1, 64)),
     (256, 256): _UNTUNED,
 }
 
@@ -147,7 +151,8 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     BV_PASS = entry.get("BV_PASS", 0) or (16 if V <= 64 else 32)
     BT = entry.get("BT", 64) if NH >= 128 else entry.get("BT_FEW", entry.get("BT", 64))
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
-                  BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)), **kc)
+                  BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)),
+                  dot_bf16=bool(entry.get("dot_bf16", False)), **kc)
 
 
 def get_config(K: int, V: int, NH: int = 160) -> Config:
@@ -244,8 +249,12 @@ def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None =
 
 
 def _geom(p: Problem) -> dict:
+    # PREC: the dots on inputs, states and their gradients; TPREC: those with T = (I + A)⁻¹ (its
+    # entries are sums that cancel when keys collapse, see _unit_lower_inverse: never rounded to bf16)
+    tprec = _prec(p.q.dtype)
+    prec = "bf16" if p.cfg.dot_bf16 and p.q.dtype == torch.bfloat16 else tprec
     return dict(H=p.H, K=p.K, BT=p.cfg.BT, BC=p.cfg.BC, IS_VARLEN=p.cu_seqlens is not None,
-                NORM_QK=p.norm, PREC=_prec(p.q.dtype))
+                NORM_QK=p.norm, PREC=prec, TPREC=tprec)
 
 
 # The WY inverse's dot precision. "ieee" always: see _unit_lower_inverse. (A module constant so

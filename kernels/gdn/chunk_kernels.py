@@ -24,8 +24,8 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   chunk's sub-chunks in reverse carrying only dS and saves each sub-chunk's end-state
   gradient, and ``_bwd_sub`` computes the input gradients with one program per sub-chunk.
 
-Measured on an H200 (BENCHMARKS.md): 1.8× faster than fla-core 0.6 at (4, 4096, 40, 32, 32)
-fwd+bwd, well short of the 8× goal. Each sub-chunk is a chain of tiny dependent dots,
+Measured on an H200 (BENCHMARKS.md): 1.6-2.1× faster than fla-core 0.6 fwd+bwd at K = V = 32,
+well short of the 8× goal, and 2.5× slower at K = V = 128. Each sub-chunk is a chain of tiny dependent dots,
 reductions and layout conversions at 1-2 warps per program, so the kernels are
 latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
 """
@@ -64,6 +64,18 @@ def _chunk_tile(chunk_spans, T, BT: tl.constexpr, BC: tl.constexpr, K: tl.conste
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation. PREC is tl.dot's input_precision ("tf32", "tf32x3", "ieee")
+    on the fp32 operands, or "bf16": both operands rounded to bf16 first (Config.dot_bf16), half
+    the registers and shared-memory traffic per operand and twice the tensor-core rate of tf32."""
+    if PREC == "bf16":
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        c = tl.dot(a, b, input_precision=PREC)
+    return c
+
+
+@triton.jit
 def _gram(kb, gb, bb, BC: tl.constexpr, PREC: tl.constexpr):
     """γ (in-sub-chunk cumsum of g), Γ strictly lower, B = (K Kᵀ) ⊙ Γ and A = diag(β) B."""
     o_r = tl.arange(0, BC)
@@ -71,7 +83,7 @@ def _gram(kb, gb, bb, BC: tl.constexpr, PREC: tl.constexpr):
     lower = o_r[:, None] > o_r[None, :]
     # exp only of differences that are ≤ 0: the masked ones could overflow to inf
     decay = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    Bkk = tl.dot(kb, tl.trans(kb), input_precision=PREC) * decay
+    Bkk = _dot(kb, tl.trans(kb), PREC) * decay
     return gam, decay, Bkk, Bkk * bb[:, None]
 
 
@@ -87,8 +99,8 @@ def _unit_lower_inverse(A, BC: tl.constexpr, LOG2_BC: tl.constexpr, PREC: tl.con
     Tm = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - A
     P = A
     for _ in tl.static_range(LOG2_BC - 1):
-        P = tl.dot(P, P, input_precision=PREC)
-        Tm = Tm + tl.dot(Tm, P, input_precision=PREC)
+        P = _dot(P, P, PREC)
+        Tm = Tm + _dot(Tm, P, PREC)
     return Tm
 
 
@@ -131,7 +143,8 @@ def _l2norm_rows(x, NORM: tl.constexpr):
 def _wy_inverse_kernel(
     k, g, beta, tinv, chunk_spans, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
 ):
     """T = (I + A)⁻¹ of one sub-chunk, stored row by row beside its tokens ([B, T, H, BC]).
     One sub-chunk per program: the only long dependency chain of the WY algebra runs at full
@@ -150,7 +163,7 @@ def _wy_inverse_kernel(
     kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
     gb = _load_vec(g, rows, m_r, i_h, H)
     bb = _load_vec(beta, rows, m_r, i_h, H)
-    gam, decay, Bkk, A = _gram(kb, gb, bb, BC, PREC)
+    gam, decay, Bkk, A = _gram(kb, gb, bb, BC, TPREC)
     Tm = _unit_lower_inverse(A, BC, LOG2_BC, INV_PREC)
     p = (rows.to(tl.int64) * H + i_h)[:, None] * BC + o_r[None, :]
     tl.store(tinv + p, Tm, mask=m_r[:, None])
@@ -161,7 +174,7 @@ def _fwd_prep_kernel(
     k, v, g, beta, tinv, mn, chunk_spans, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BZ: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
 ):
     """[M | N] of one chunk (columns i_z·BZ …): the sub-chunk recurrence
     Z ← e^{γ_L} Z + K̃ᵀ (T [0 | βV] − W Z) run from Z = [I | 0]."""
@@ -189,10 +202,10 @@ def _fwd_prep_kernel(
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
         gam = tl.cumsum(gb, axis=0)
         gL = tl.sum(gb, 0)
-        W = tl.dot(Tm, kb * (bb * tl.exp(gam))[:, None], input_precision=PREC)
-        vn = tl.dot(Tm, yb, input_precision=PREC) - tl.dot(W, Z, input_precision=PREC)
+        W = _dot(Tm, kb * (bb * tl.exp(gam))[:, None], TPREC)
+        vn = _dot(Tm, yb, TPREC) - _dot(W, Z, PREC)
         Kt = kb * tl.exp(gL - gam)[:, None]
-        Z = tl.exp(gL) * Z + tl.dot(tl.trans(Kt), vn, input_precision=PREC)
+        Z = tl.exp(gL) * Z + _dot(tl.trans(Kt), vn, PREC)
     p = mn + ((i_c * H + i_h) * K + o_k[:, None]) * (K + V) + o_z[None, :]
     tl.store(p, Z, mask=m_z[None, :])
 
@@ -240,7 +253,7 @@ def _state_pass_kernel(
             tl.store(states + p_st, X, mask=m_v[None, :])
         Ac = tl.load(ab + base * (K + V) + o_k[None, :])
         Bc = tl.load(ab + base * (K + V) + K + o_v[None, :], mask=m_v[None, :], other=0.0)
-        X = tl.dot(Ac, X, input_precision=PREC) + Bc
+        X = _dot(Ac, X, PREC) + Bc
     tl.store(xT + p_x, X, mask=m_v[None, :])
 
 
@@ -249,7 +262,7 @@ def _fwd_out_kernel(
     q, k, v, g, beta, tinv, o, states, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
     SAVE_SUB: tl.constexpr = False, NS: tl.constexpr = 1,
 ):
     """Outputs of one chunk (value columns i_v·BV …) from its start state, sub-chunk by
@@ -285,16 +298,16 @@ def _fwd_out_kernel(
         gam = tl.cumsum(gb, axis=0)
         gL = tl.sum(gb, 0)
         eg = tl.exp(gam)
-        W = tl.dot(Tm, kb * (bb * eg)[:, None], input_precision=PREC)
-        vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
+        W = _dot(Tm, kb * (bb * eg)[:, None], TPREC)
+        vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
         qs = qb * scale
         G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
-        ob = tl.dot(qs * eg[:, None], S, input_precision=PREC) + tl.dot(Pm, vn, input_precision=PREC)
+        Pm = _dot(qs, tl.trans(kb), PREC) * G_in
+        ob = _dot(qs * eg[:, None], S, PREC) + _dot(Pm, vn, PREC)
         p_o = (rows.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
         tl.store(o + p_o, ob.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
         Kt = kb * tl.exp(gL - gam)[:, None]
-        S = tl.exp(gL) * S + tl.dot(tl.trans(Kt), vn, input_precision=PREC)
+        S = tl.exp(gL) * S + _dot(tl.trans(Kt), vn, PREC)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +316,8 @@ def _fwd_out_kernel(
 
 
 @triton.jit
-def _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC: tl.constexpr, PREC: tl.constexpr):
+def _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC: tl.constexpr, PREC: tl.constexpr,
+                  TPREC: tl.constexpr):
     """Gradient of a sub-chunk's start state from the gradient dZ of its end state and dO
     (only the state path: dv' = Pᵀ dO + K̃ dZ; dZ ← (Q ⊙ e^γ)ᵀ dO + e^{γ_L} dZ − Wᵀ dv')."""
     o_r = tl.arange(0, BC)
@@ -311,21 +325,21 @@ def _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC: tl.constexpr, PREC: tl
     gam = tl.cumsum(gb, axis=0)
     gL = tl.sum(gb, 0)
     eg = tl.exp(gam)
-    W = tl.dot(Tm, kb * (bb * eg)[:, None], input_precision=PREC)
+    W = _dot(Tm, kb * (bb * eg)[:, None], TPREC)
     qs = qb * scale
     G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
+    Pm = _dot(qs, tl.trans(kb), PREC) * G_in
     Kt = kb * tl.exp(gL - gam)[:, None]
-    dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dZ, input_precision=PREC)
-    return (tl.dot(tl.trans(qs * eg[:, None]), dob, input_precision=PREC) + tl.exp(gL) * dZ
-            - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+    dvn = _dot(tl.trans(Pm), dob, PREC) + _dot(Kt, dZ, PREC)
+    return (_dot(tl.trans(qs * eg[:, None]), dob, PREC) + tl.exp(gL) * dZ
+            - _dot(tl.trans(W), dvn, PREC))
 
 
 @triton.jit
 def _sub_chunk_grads(
     q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale, part_qk, part_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    NORM_QK: tl.constexpr, PREC: tl.constexpr, WANT_DS: tl.constexpr,
+    NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr, WANT_DS: tl.constexpr,
 ):
     """dq, dk, dv, dg, dβ of one sub-chunk (value columns i_v·BV …; partial sums over the
     value blocks at offsets i_v·part_qk / i_v·part_t) from its start state S and the gradient
@@ -351,33 +365,33 @@ def _sub_chunk_grads(
     egL = tl.exp(gL)
     ed = tl.exp(gL - gam)
     X = kb * (bb * eg)[:, None]
-    W = tl.dot(Tm, X, input_precision=PREC)
-    vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
+    W = _dot(Tm, X, TPREC)
+    vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
     qs = qb * scale
     G_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    Pm = tl.dot(qs, tl.trans(kb), input_precision=PREC) * G_in
+    Pm = _dot(qs, tl.trans(kb), PREC) * G_in
     Qt = qs * eg[:, None]
     Kt = kb * ed[:, None]
 
     # adjoints of the sub-chunk's intermediates (dS = gradient of its end state)
-    dvn = tl.dot(tl.trans(Pm), dob, input_precision=PREC) + tl.dot(Kt, dS, input_precision=PREC)
-    dY = tl.dot(tl.trans(Tm), dvn, input_precision=PREC)
-    dX = -tl.dot(dY, tl.trans(S), input_precision=PREC)
-    dQt = tl.dot(dob, tl.trans(S), input_precision=PREC)
-    dP = tl.where(incl, tl.dot(dob, tl.trans(vn), input_precision=PREC), 0.0)
-    dKt = tl.dot(vn, tl.trans(dS), input_precision=PREC)
-    dA = tl.where(lower, -tl.dot(dY, tl.trans(vn), input_precision=PREC), 0.0)
+    dvn = _dot(tl.trans(Pm), dob, PREC) + _dot(Kt, dS, PREC)
+    dY = _dot(tl.trans(Tm), dvn, TPREC)
+    dX = -_dot(dY, tl.trans(S), PREC)
+    dQt = _dot(dob, tl.trans(S), PREC)
+    dP = tl.where(incl, _dot(dob, tl.trans(vn), PREC), 0.0)
+    dKt = _dot(vn, tl.trans(dS), PREC)
+    dA = tl.where(lower, -_dot(dY, tl.trans(vn), PREC), 0.0)
     dgL = egL * tl.sum(tl.sum(dS * S, 1), 0)
     if WANT_DS:
-        dS = (tl.dot(tl.trans(Qt), dob, input_precision=PREC) + egL * dS
-              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+        dS = (_dot(tl.trans(Qt), dob, PREC) + egL * dS
+              - _dot(tl.trans(W), dvn, PREC))
 
     # gradients of the inputs
     dPG = dP * G_in
     Gk = dA * decay * bb[:, None]
-    dqb = (dQt * eg[:, None] + tl.dot(dPG, kb, input_precision=PREC)) * scale
-    dkb = (tl.dot(tl.trans(dPG), qs, input_precision=PREC) + dKt * ed[:, None] + dX * (bb * eg)[:, None]
-           + tl.dot(Gk, kb, input_precision=PREC) + tl.dot(tl.trans(Gk), kb, input_precision=PREC))
+    dqb = (dQt * eg[:, None] + _dot(dPG, kb, PREC)) * scale
+    dkb = (_dot(tl.trans(dPG), qs, PREC) + dKt * ed[:, None] + dX * (bb * eg)[:, None]
+           + _dot(Gk, kb, PREC) + _dot(tl.trans(Gk), kb, PREC))
     dvb = dY * bb[:, None]
     dbb = eg * tl.sum(dX * kb, 1) + tl.sum(dY * vb, 1) + tl.sum(dA * Bkk, 1)
     E = dP * Pm + dA * A
@@ -407,7 +421,7 @@ def _bwd_prep_kernel(
     q, k, g, beta, tinv, do, mr, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BZ: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
 ):
     """[Mᵀ | R] of one chunk: the adjoint sub-chunk recurrence, last sub-chunk first,
     dv' = Pᵀ dO' + K̃ dZ; dZ ← (Q ⊙ e^γ)ᵀ dO' + e^{γ_L} dZ − Wᵀ dv', from dZ = [I | 0]
@@ -436,7 +450,7 @@ def _bwd_prep_kernel(
         gb = _load_vec(g, rows, m_r, i_h, H)
         bb = _load_vec(beta, rows, m_r, i_h, H)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        dZ = _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC, PREC)
+        dZ = _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC, PREC, TPREC)
     p = mr + ((i_c * H + i_h) * K + o_k[:, None]) * (K + V) + o_z[None, :]
     tl.store(p, dZ, mask=m_z[None, :])
 
@@ -448,7 +462,7 @@ def _bwd_local_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     NS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
 ):
     """Gradients of one chunk (value columns i_v·BV …) from its start state S and the gradient
     dS of its end state. A forward sweep stores the sub-chunk start states (scratch), then a
@@ -477,10 +491,10 @@ def _bwd_local_kernel(
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
         gam = tl.cumsum(gb, axis=0)
         gL = tl.sum(gb, 0)
-        W = tl.dot(Tm, kb * (bb * tl.exp(gam))[:, None], input_precision=PREC)
-        vn = tl.dot(Tm, vb * bb[:, None], input_precision=PREC) - tl.dot(W, S, input_precision=PREC)
+        W = _dot(Tm, kb * (bb * tl.exp(gam))[:, None], TPREC)
+        vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
         Kt = kb * tl.exp(gL - gam)[:, None]
-        S = tl.exp(gL) * S + tl.dot(tl.trans(Kt), vn, input_precision=PREC)
+        S = tl.exp(gL) * S + _dot(tl.trans(Kt), vn, PREC)
     tl.store(p_scr + (n_sub - 1) * K * BV, S)
     tl.debug_barrier()
 
@@ -491,7 +505,7 @@ def _bwd_local_kernel(
         rows = t0 + s * BC + o_r
         m_r = rows < eos
         dS = _sub_chunk_grads(q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale,
-                              part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, True)
+                              part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True)
 
 
 @triton.jit
@@ -499,7 +513,7 @@ def _bwd_dstate_kernel(
     q, k, g, beta, tinv, do, dsub, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
 ):
     """Split backward, sequential part: the end-state gradient dS' of every sub-chunk of one
     chunk (value columns i_v·BV …). dsub is [NC·NS, H, K, V], one slot per sub-chunk; the
@@ -524,7 +538,7 @@ def _bwd_dstate_kernel(
         gb = _load_vec(g, rows, m_r, i_h, H)
         bb = _load_vec(beta, rows, m_r, i_h, H)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        dS = _adjoint_step(qb, kb, gb, bb, Tm, dob, dS, scale, BC, PREC)
+        dS = _adjoint_step(qb, kb, gb, bb, Tm, dob, dS, scale, BC, PREC, TPREC)
     tl.store(dsub + p_s, dS, mask=m_v[None, :])
 
 
@@ -534,7 +548,7 @@ def _bwd_sub_kernel(
     part_qk, part_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
 ):
     """Split backward, parallel part: the gradients of one sub-chunk (value columns i_v·BV …)
     from its saved start state S (_fwd_out) and end-state gradient dS' (_bwd_dstate); no loop.
@@ -555,4 +569,4 @@ def _bwd_sub_kernel(
     dS = tl.load(dsub + p_s, mask=m_v[None, :], other=0.0)
     rows = r0 + tl.arange(0, BC)
     _sub_chunk_grads(q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, rows < eos, i_h, i_v, S, dS, scale,
-                     part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, False)
+                     part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, False)

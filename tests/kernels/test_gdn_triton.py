@@ -181,6 +181,22 @@ def test_tilings(cfg, tuning, bwd_path):
     run_and_compare(x, cu_seqlens=cu, tol=TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype, dot_bf16, prec", [
+    (torch.bfloat16, True, "bf16"), (torch.bfloat16, False, "tf32"),
+    (torch.float16, True, "tf32"), (torch.float32, True, "tf32x3"),
+])
+def test_dot_precision_choice(dtype, dot_bf16, prec):
+    """Config.dot_bf16 rounds dot operands to bf16 only for bf16 inputs, and never the dots
+    with T = (I + A)⁻¹ (TPREC), whose entries cancel when keys collapse."""
+    x = make_inputs(1, 20, 1, 16, 16, n_states=1, dtype=dtype)
+    p = gdn_chunk.make_problem(x["q"], x["k"], x["v"], x["g"], x["beta"], None, 0.25, False,
+                               dataclasses.replace(gdn_chunk.get_config(16, 16), dot_bf16=dot_bf16))
+    geom = gdn_chunk._geom(p)
+    assert geom["PREC"] == prec
+    assert geom["TPREC"] == ("tf32x3" if dtype == torch.float32 else "tf32")
+    assert gdn_chunk.config_from_entry(16, 16, 256, dict(dot_bf16=True)).dot_bf16
+
+
 def test_launch_table(monkeypatch):
     # HyMo's class (K = V ≤ 32): the tuned table entry, 256-token chunks when N·H < 128
     cfg = gdn_chunk.get_config(32, 32, 160)
@@ -231,6 +247,28 @@ def test_bench_tune_smoke(tmp_path, capsys):
     assert set(rec["kernels"]) == set(gdn_chunk.KERNELS)
     assert rec["table_entry"].startswith("(16, 16): dict(BT=") and "bwd_split=False" in rec["table_entry"]
     assert "tune summary" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
+def test_bench_smoke_and_failed_parity_exit(tmp_path, monkeypatch):
+    """bench.py's timing run on a tiny shape writes its JSON; a failed parity ends it with a
+    non-zero exit naming the shape, not a table that merely says FAILED."""
+    import json
+
+    from hymo_kernels.gdn import bench
+
+    out = tmp_path / "bench.json"
+    argv = ["--smoke", "--shapes", "1,20,1,16,16", "--no-fla", "--no-eager", "--fast-ref", "--json", str(out)]
+    try:
+        bench.main(argv)
+        rec = json.loads(out.read_text())["shapes"]["(1, 20, 1, 16, 16)"]
+        assert rec["parity_ok"] == {"ours": True} and rec["times"]["ours"]["fwdbwd_ms"] > 0
+        real = bench.parity
+        monkeypatch.setattr(bench, "parity", lambda *a, **k: [r[:3] + (False,) for r in real(*a, **k)])
+        with pytest.raises(SystemExit, match=r"benchmark failed .*\(1, 20, 1, 16, 16\)"):
+            bench.main(argv)
+    finally:
+        bench.DEVICE = "cuda"
 
 
 def test_dispatcher_uses_the_kernel():
@@ -319,6 +357,25 @@ def test_gpu_parity(B, T, H, K, V, varlen, dtype, bwd_path):
     run_and_compare(x, cu_seqlens=cu, l2norm=True, tol=TOL[dtype])
 
 
+def set_dot_bf16(monkeypatch, on: bool):
+    """Every TABLE entry with Config.dot_bf16 = on (after bwd_path's own patch)."""
+    for key, entry in list(gdn_chunk.TABLE.items()):
+        monkeypatch.setitem(gdn_chunk.TABLE, key, dict(entry, dot_bf16=on))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dot_bf16", [False, True], ids=["tf32dots", "bf16dots"])
+@pytest.mark.parametrize(
+    "B, T, H, K, V, varlen", [(1, 1500, 3, 32, 32, True), (2, 257, 2, 64, 64, False)], ids=lambda p: str(p))
+def test_gpu_parity_dot_precision(B, T, H, K, V, varlen, dot_bf16, bwd_path, monkeypatch):
+    """bf16 inputs with either dot precision of the table (the interpreter cannot run bf16)."""
+    set_dot_bf16(monkeypatch, dot_bf16)
+    cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
+    x = make_inputs(B, T, H, K, V, n_states=4 if varlen else B, dtype=torch.bfloat16, device="cuda",
+                    normalize_k=False)
+    run_and_compare(x, cu_seqlens=cu, l2norm=True, tol=TOL[torch.bfloat16])
+
+
 def collapsed_keys_errors(K: int, T: int = 4096, B: int = 2, H: int = 4, seed: int = 0) -> dict:
     """bf16 forward where a sub-chunk's keys are nearly parallel (cos ≈ 0.99), β ≈ 0.98 and the
     decay slow: the regime HyMo's GDN keys reach when representations collapse early in
@@ -345,10 +402,13 @@ def collapsed_keys_errors(K: int, T: int = 4096, B: int = 2, H: int = 4, seed: i
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dot_bf16", [False, True], ids=["tf32dots", "bf16dots"])
 @pytest.mark.parametrize("K", [32, 128])
-def test_gpu_collapsed_keys_bf16(K):
+def test_gpu_collapsed_keys_bf16(K, dot_bf16, monkeypatch):
     """The failure seen in training (hymo_small, NorMuon, step 29: NaN born in a GDN layer with
-    finite inputs) came from tf32 in the WY inverse; with "ieee" this stays at bf16 accuracy."""
+    finite inputs) came from tf32 in the WY inverse; with "ieee" this stays at bf16 accuracy,
+    with either precision of the other dots."""
+    set_dot_bf16(monkeypatch, dot_bf16)
     err = collapsed_keys_errors(K)
     assert err["o"] < 2e-2 and err["ht"] < 2e-2, err
 
