@@ -77,7 +77,8 @@ def _moments(
 # reductions over tensors of different shapes on CUDA (pytorch/pytorch#176591, open in 2026):
 # the cautious mask counts above are such reductions. The pass only reorders loops, so it is
 # turned off for these graphs alone. (Seen as an InductorError AssertionError before step 1
-# of the 750m on an H200, torch 2.11, with adamw_compiled; this workaround is not yet run there.)
+# of the 750m on an H200, torch 2.11, with adamw_compiled; with this option the 750m trains on
+# 1 and 2 H200s, BENCHMARKS.md.)
 _COMPILE_OPTIONS = {"loop_ordering_after_fusion": False}
 
 
