@@ -117,11 +117,11 @@ _UNTUNED = dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
 TABLE: dict[tuple[int, int], dict] = {
     # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
     # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8);
-    # bf16 dots: 15 % less GPU time at every K = 32 shape (tuned with tf32 dots)
+    # dot_bf16 would save 15 % GPU time here (BENCHMARKS.md); off until a GPU training run used it
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32),
-                   bwd_split=False, dot_bf16=True, bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
+                   bwd_split=False, dot_bf16=False, bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
