@@ -263,6 +263,7 @@ def test_bench_smoke_and_failed_parity_exit(tmp_path, monkeypatch):
         bench.main(argv)
         rec = json.loads(out.read_text())["shapes"]["(1, 20, 1, 16, 16)"]
         assert rec["parity_ok"] == {"ours": True} and rec["times"]["ours"]["fwdbwd_ms"] > 0
+        assert len(rec["rounds"]["ours"]) == 3  # --rounds' default: timed in alternating order
         real = bench.parity
         monkeypatch.setattr(bench, "parity", lambda *a, **k: [r[:3] + (False,) for r in real(*a, **k)])
         with pytest.raises(SystemExit, match=r"benchmark failed .*\(1, 20, 1, 16, 16\)"):
