@@ -8,7 +8,7 @@ In one run, for each (B, T, H, K, V): parity first (bf16 and fp32, ours against 
 per-token recurrence on a slice of batch rows/heads, every output and gradient, relative error
 ‖out − ref‖/‖ref‖; fla's bf16 errors beside ours), then forward and forward+backward times
 (do_bench medians, in ``--rounds`` rounds (3) whose order alternates, the median of the rounds:
-timed once each in a fixed order, the first of two equal variants measured ~15 % faster at the
+timed once each in a fixed order, the first of two variants measured 8-17 % faster at the
 HyMo shape; the eager reference is timed once), the minimal HBM bytes of each over that time against the
 measured device-to-device copy bandwidth, and a per-kernel breakdown from torch.profiler.
 Speed-ups are not printed for a shape whose parity failed.
@@ -310,6 +310,8 @@ def kernel_breakdown(impl, shape, iters=10):
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
+            for x_ in t:  # as do_bench's grad_to_none: no accumulation adds in the profile
+                x_.grad = None
             o, _ = impl(*t)
             o.backward(do)
         torch.cuda.synchronize()
@@ -877,7 +879,7 @@ def main(argv=None):
         runs = [(name, ours, cfg) for name, cfg in mine] + [("fla", fla_impl, None), ("eager", eager_impl, None)]
         runs = [r for r in runs if r[1] is not None]
         # Rounds, the order reversed every other round, the median per implementation: timed
-        # one after the other, whichever ran first measured ~15 % faster at (4, 4096, 40, 32, 32)
+        # one after the other, whichever ran first measured 8-17 % faster at (4, 4096, 40, 32, 32)
         # (BENCHMARKS.md). The eager reference (10-300x slower) is timed in the first round only.
         per_round: dict[str, list] = {}
         for rnd in range(args.rounds):

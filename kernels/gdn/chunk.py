@@ -117,7 +117,7 @@ _UNTUNED = dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
 TABLE: dict[tuple[int, int], dict] = {
     # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
     # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8);
-    # dot_bf16 would save 15 % GPU time here (BENCHMARKS.md); off until a GPU training run used it
+    # dot_bf16 would save 16 % GPU time here (BENCHMARKS.md); off until a GPU training run used it
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32),
@@ -476,6 +476,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, output[2], output[3])
     ctx.scale = scale
     ctx.use_qk_l2norm = use_qk_l2norm
+    # no zero gradients for the outputs nobody differentiates (the saved states and T, often the
+    # final state): autograd would fill them, ~60 MB per call at the HyMo shape
+    ctx.set_materialize_grads(False)
 
 
 def _autograd_backward(ctx, do, dht, _dstates, _dtinv):
