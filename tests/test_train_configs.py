@@ -92,6 +92,10 @@ def test_hymo_section_parses_and_validates(tmp_path):
                             '[hymo]\ngdn_backend = "naive"\n')
     assert parse_config(args).hymo.gdn_backend == "naive"
     assert parse_config(args + ["--hymo.gdn_backend", "triton"]).hymo.gdn_backend == "triton"
+    assert parse_config(args).hymo.gdn_dot_precision == "table"
+    assert parse_config(args + ["--hymo.gdn_dot_precision", "bf16"]).hymo.gdn_dot_precision == "bf16"
+    with pytest.raises(SystemExit):  # not one of its choices
+        parse_config(args + ["--hymo.gdn_dot_precision", "fp8"])
 
 
 def test_malformed_toml_names_the_file_and_position(tmp_path):

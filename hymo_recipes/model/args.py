@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hymo_kernels.gdn import BACKENDS
+from hymo_kernels.gdn import BACKENDS, GDN_DOT_PRECISIONS
 
 from .._titan import BaseModelArgs, HuggingFaceTokenizer, JobConfig, logger
 
@@ -36,6 +36,9 @@ class HymoModelArgs(BaseModelArgs):
     gdn_v_head_dim: int = 32  # V: value / state columns per head
     gdn_conv_size: int = 4  # short causal depthwise conv on q, k, v
     gdn_backend: str = "torch_chunk"  # "naive" | "torch_chunk" | "triton" (hymo_kernels.gdn)
+    # operands of the Triton kernel's dots for bf16 inputs: "table" (its launch table's choice),
+    # "tf32" or "bf16" (hymo_kernels.gdn.chunk, Config.dot_bf16); the triton backend only
+    gdn_dot_precision: str = "table"
     gdn_A_init_range: tuple[float, float] = (0.0, 16.0)  # A ~ U(lo, hi), A_log = log A
     gdn_dt_min: float = 1e-3  # dt ~ logU(dt_min, dt_max), dt_bias = softplus⁻¹(dt)
     gdn_dt_max: float = 0.1
@@ -99,6 +102,12 @@ class HymoModelArgs(BaseModelArgs):
 
         if self.gdn_backend not in BACKENDS:
             raise ValueError(f"unknown gdn_backend {self.gdn_backend!r}; choose one of {sorted(BACKENDS)}")
+        if self.gdn_dot_precision not in GDN_DOT_PRECISIONS:
+            raise ValueError(f"unknown gdn_dot_precision {self.gdn_dot_precision!r}; choose one of "
+                             f"{sorted(GDN_DOT_PRECISIONS)}")
+        if self.gdn_dot_precision != "table" and self.gdn_backend != "triton":
+            raise ValueError(f"gdn_dot_precision = {self.gdn_dot_precision!r} sets the Triton kernel's dots; "
+                             f"gdn_backend is {self.gdn_backend!r} (use \"table\", or gdn_backend = \"triton\")")
         lo, hi = self.gdn_A_init_range
         if not 0 <= lo < hi:
             raise ValueError(f"gdn_A_init_range must satisfy 0 <= lo < hi, got {self.gdn_A_init_range}")
@@ -153,6 +162,8 @@ class HymoModelArgs(BaseModelArgs):
         hymo = getattr(job_config, "hymo", None)  # present when [job] custom_config_module is set
         if hymo is not None and hymo.gdn_backend != "flavor":
             self.gdn_backend = hymo.gdn_backend
+        if hymo is not None and getattr(hymo, "gdn_dot_precision", "table") != "table":
+            self.gdn_dot_precision = hymo.gdn_dot_precision
 
         if job_config.parallelism.context_parallel_degree > 1:
             raise NotImplementedError("context parallelism is not supported: the GDN recurrence spans the sequence")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hymo_kernels.gdn import get_backend
+from hymo_kernels.gdn import GDN_DOT_PRECISIONS, get_backend
 
 from .._titan import trunc_normal_
 from .args import HymoModelArgs
@@ -102,6 +102,9 @@ class GatedDeltaNet(nn.Module):
         self.backend = args.gdn_backend
         # Resolved now so that a backend that cannot load fails at construction, not mid-run.
         self._rule = get_backend(args.gdn_backend)
+        # the Triton kernel's dot operands; {} keeps its table's choice (and suits every backend)
+        dot_bf16 = GDN_DOT_PRECISIONS[args.gdn_dot_precision]
+        self._rule_kwargs = {} if dot_bf16 is None else {"dot_bf16": dot_bf16}
         self.A_init_range = args.gdn_A_init_range
         self.dt_init = (args.gdn_dt_min, args.gdn_dt_max, args.gdn_dt_init_floor)
 
@@ -123,7 +126,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float()).to(q.dtype)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
 
-        o, _ = self._rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        o, _ = self._rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, **self._rule_kwargs)
         gate = self.g_proj(x).view(B, T, -1, self.v_head_dim)
         o = self.o_norm(o, gate).reshape(B, T, -1)
         return self.o_proj(o)

@@ -24,6 +24,9 @@ BACKENDS = {
     "triton": ("hymo_kernels.gdn.chunk", "chunk_gated_delta_rule"),
 }
 
+# gdn_dot_precision (model arg, [hymo] knob) -> the Triton op's dot_bf16 argument (None: its table)
+GDN_DOT_PRECISIONS = {"table": None, "tf32": False, "bf16": True}
+
 
 def get_backend(name: str):
     """Returns the recurrence function of a backend, or raises a ValueError naming the choices."""
@@ -40,4 +43,4 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-__all__ = ["BACKENDS", "gated_delta_rule", "get_backend", "naive_recurrent_gated_delta_rule"]
+__all__ = ["BACKENDS", "GDN_DOT_PRECISIONS", "gated_delta_rule", "get_backend", "naive_recurrent_gated_delta_rule"]

@@ -237,9 +237,13 @@ class Problem:
     offs: torch.Tensor
 
 
-def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None = None) -> Problem:
+def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None = None,
+                 dot_bf16: bool | None = None) -> Problem:
+    """dot_bf16 (not None) overrides the config's choice (the op's argument)."""
     B, T, H, K, V, N, cfg0, _ = _common(q, v, cu_seqlens)
     cfg = cfg or cfg0
+    if dot_bf16 is not None:
+        cfg = dataclasses.replace(cfg, dot_bf16=dot_bf16)
     NC = _num_chunks(B, T, N, cu_seqlens is not None, cfg.BT)
     if cu_seqlens is None:
         spans = offs = torch.empty(2, dtype=torch.int32, device=q.device)
@@ -374,8 +378,8 @@ def run_bwd_sub(p: Problem, tinv, do, sub_states, dsub):
     return _sum_parts(p, *grads)
 
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm):
-    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None):
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
     tinv = run_wy_inverse(p)  # saved for the backward
     mn = run_fwd_prep(p, tinv)
     # saved for the backward: chunk start states [NC, H, K, V], or on the split path every
@@ -385,8 +389,9 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm):
     return o, final_state, states, tinv
 
 
-def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm):
-    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
+def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
+              dot_bf16=None):
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
     if states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.BC:
         raise RuntimeError(
             "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
@@ -419,17 +424,18 @@ def gdn_chunk_fwd(
     cu_seqlens: torch.Tensor | None,
     scale: float,
     use_qk_l2norm: bool,
+    dot_bf16: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (o, final_state, and for the backward: saved states, sub-chunk inverses). The
     saved states are the chunk start states [NC, H, K, V], or with Config.bwd_split the start
     state of every sub-chunk [NC·BT/BC, H, K, V] (same schema; the shape follows the config)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    return _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm)
+    return _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16)
 
 
 @gdn_chunk_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None):
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
     return (
         v.new_empty(B, T, H, V),
@@ -454,16 +460,18 @@ def gdn_chunk_bwd(
     dht: torch.Tensor | None,
     scale: float,
     use_qk_l2norm: bool,
+    dot_bf16: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dg, dbeta, dh0); dh0 is computed whether or not h0 was given."""
     # gradients of a .sum() arrive as stride-0 expands
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
-    return _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm)
+    return _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
+                     dot_bf16)
 
 
 @gdn_chunk_bwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm, dot_bf16=None):
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
@@ -472,10 +480,11 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16 = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, output[2], output[3])
     ctx.scale = scale
     ctx.use_qk_l2norm = use_qk_l2norm
+    ctx.dot_bf16 = dot_bf16
     # no zero gradients for the outputs nobody differentiates (the saved states and T, often the
     # final state): autograd would fill them, ~60 MB per call at the HyMo shape
     ctx.set_materialize_grads(False)
@@ -487,8 +496,9 @@ def _autograd_backward(ctx, do, dht, _dstates, _dtinv):
         do = torch.zeros_like(v)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     dq, dk, dv, dg, db, dh0 = gdn_chunk_bwd(
-        q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, ctx.scale, ctx.use_qk_l2norm)
-    return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None
+        q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, ctx.scale, ctx.use_qk_l2norm,
+        ctx.dot_bf16)
+    return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None
 
 
 gdn_chunk_fwd.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -532,6 +542,8 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    dot_bf16: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, chunked Triton kernels with a hand-written backward.
 
@@ -550,6 +562,9 @@ def chunk_gated_delta_rule(
             Default: None.
         use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) inside the kernels.
             Default: False.
+        dot_bf16: with bf16 inputs, run the dots on bf16 operands (``Config.dot_bf16``; not
+            the WY inverse's): True, False, or None for the launch table's choice.
+            Default: None.
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] fp32, or None.
@@ -568,7 +583,8 @@ def chunk_gated_delta_rule(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
     scale = K**-0.5 if scale is None else float(scale)
-    o, final_state, _, _ = gdn_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel)
+    o, final_state, _, _ = gdn_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
+                                         dot_bf16)
     return o, (final_state if output_final_state else None)
 
 

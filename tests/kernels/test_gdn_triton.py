@@ -297,6 +297,27 @@ def test_backward_fills_no_zero_gradients():
     assert not [n for n in ops.names if "zero" in n or "fill" in n or "full" in n], ops.names
 
 
+@pytest.mark.parametrize("arg, expected", [(None, False), (True, True), (False, False)])
+def test_dot_bf16_argument_reaches_every_launch(arg, expected, monkeypatch):
+    """chunk_gated_delta_rule(dot_bf16=...) overrides the table in the forward and the backward
+    (the table's K = 16 entry has it off; None keeps that)."""
+    assert not gdn_chunk.get_config(16, 16).dot_bf16
+    seen = []
+    geom = gdn_chunk._geom
+
+    def spy(p):
+        seen.append(p.cfg.dot_bf16)
+        return geom(p)
+
+    monkeypatch.setattr(gdn_chunk, "_geom", spy)
+    x = make_inputs(1, 20, 1, 16, 16, n_states=0, dtype=torch.float32)
+    t = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    o, _ = chunk_gated_delta_rule(*t, dot_bf16=arg)
+    n_fwd = len(seen)
+    o.sum().backward()
+    assert n_fwd >= 3 and len(seen) > n_fwd and set(seen) == {expected}
+
+
 def test_dispatcher_uses_the_kernel():
     x = make_inputs(1, 20, 1, 16, 16, n_states=0, dtype=torch.float32)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]

@@ -27,6 +27,8 @@ BAD = [
     (dict(moe_bias_update_speed=-1e-3), "moe_bias_update_speed must be >= 0"),
     (dict(moe_num_shared_experts=-1), "moe_num_shared_experts must be >= 0"),
     (dict(gdn_backend="cuda_magic"), "unknown gdn_backend 'cuda_magic'"),
+    (dict(gdn_backend="triton", gdn_dot_precision="fp8"), "unknown gdn_dot_precision 'fp8'"),
+    (dict(gdn_backend="torch_chunk", gdn_dot_precision="bf16"), "sets the Triton kernel's dots; gdn_backend is"),
     (dict(gdn_A_init_range=(16.0, 1.0)), "gdn_A_init_range"),
     (dict(gdn_dt_min=0.2, gdn_dt_max=0.1), "gdn_dt_min <= gdn_dt_max"),
     (dict(n_layers=4, mla_layers=(4,)), r"mla_layers \(4,\) must lie in \[0, n_layers = 4\)"),
@@ -108,4 +110,21 @@ def test_update_from_config_applies_the_hymo_gdn_backend_knob(tmp_path):
     assert args.gdn_backend == "naive"
     jc.hymo = SimpleNamespace(gdn_backend="bogus")
     with pytest.raises(ValueError, match="unknown gdn_backend 'bogus'"):
+        args.update_from_config(jc)
+
+
+def test_update_from_config_applies_the_hymo_gdn_dot_precision_knob(tmp_path):
+    from types import SimpleNamespace
+
+    jc = _job_config(128, str(tmp_path / "missing"))
+    args = dataclasses.replace(hymo_flavors["750m"])
+    jc.hymo = SimpleNamespace(gdn_backend="flavor", gdn_dot_precision="table")
+    args.update_from_config(jc)
+    assert args.gdn_dot_precision == "table"
+    jc.hymo = SimpleNamespace(gdn_backend="flavor", gdn_dot_precision="bf16")
+    args.update_from_config(jc)
+    assert args.gdn_dot_precision == "bf16"
+    # a CPU backend with a kernel precision is refused before anything is built
+    jc.hymo = SimpleNamespace(gdn_backend="torch_chunk", gdn_dot_precision="bf16")
+    with pytest.raises(ValueError, match="sets the Triton kernel's dots"):
         args.update_from_config(jc)

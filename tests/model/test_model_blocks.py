@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hymo_kernels.gdn.naive import naive_recurrent_gated_delta_rule
 from hymo_recipes.model.gdn import GatedDeltaNet, short_causal_conv
 from hymo_recipes.model.mla import MLA, apply_rope, document_causal_mask, precompute_rope_cache
 from hymo_recipes.model.model import GDNBlock, MLABlock, positions_in_documents
@@ -65,6 +66,23 @@ def test_mla_moe_block_is_causal(tiny_args, use_rope, capacity_factor):
     assert_causal(lambda x: block(x, rope), x)
     if capacity_factor > 0:
         assert block.moe.dropped_tokens.sum() > 0, "the capacity path was not exercised"
+
+
+@pytest.mark.parametrize("precision, kwargs", [("table", {}), ("bf16", {"dot_bf16": True}),
+                                               ("tf32", {"dot_bf16": False})])
+def test_gdn_dot_precision_reaches_the_kernel_call(tiny_args, monkeypatch, precision, kwargs):
+    """gdn_dot_precision becomes the Triton op's dot_bf16 argument ("table": not passed)."""
+    layer = GatedDeltaNet(tiny_args(gdn_backend="triton", gdn_dot_precision=precision))
+    layer.init_weights(0.02, 0.01)
+    seen = []
+
+    def spy(q, k, v, g, beta, **kw):
+        seen.append(kw)
+        return naive_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=kw.get("cu_seqlens"))
+
+    monkeypatch.setattr(layer, "_rule", spy)
+    layer(torch.randn(1, 9, 64))
+    assert seen == [dict(cu_seqlens=None, **kwargs)]
 
 
 def test_gdn_backends_agree_through_the_layer(tiny_args):
