@@ -17,7 +17,10 @@ Speed-ups are not printed for a shape whose parity failed.
 parity rows (one shared reference), fwd and fwd+bwd times and per-kernel breakdown:
 ``default`` (the table's config as is), ``local`` (``_bwd_local``) and ``split``
 (``_bwd_dstate`` + ``_bwd_sub``, ``Config.bwd_split``), and the dot precision, ``bf16dots`` /
-``tf32dots`` (``Config.dot_bf16``), on top of the table or ``--tuning``.
+``tf32dots`` (``Config.dot_bf16``), and ``inv_tf32x3`` (``Config.inverse_prec``), on top of
+the table or ``--tuning``. On a GPU every variant also runs the collapsed-keys stress case
+(nearly parallel keys, where tf32 in the WY inverse gave NaN); failing it counts as failed
+parity.
 
 All three are called the same way: q, k raw (L2-normalised in the kernel, fla's
 ``use_qk_l2norm_in_kernel=True``; the eager reference normalises them first), v, beta bf16,
@@ -171,7 +174,7 @@ class variant:
             gdn_chunk.TUNING[self.key] = self.saved
 
 
-VARIANTS = ("default", "local", "split", "bf16dots", "tf32dots")
+VARIANTS = ("default", "local", "split", "bf16dots", "tf32dots", "inv_tf32x3")
 
 
 def variant_config(cfg, name):
@@ -182,6 +185,8 @@ def variant_config(cfg, name):
         return dataclasses.replace(cfg, bwd_split=name == "split")
     if name in ("bf16dots", "tf32dots"):
         return dataclasses.replace(cfg, dot_bf16=name == "bf16dots")
+    if name == "inv_tf32x3":
+        return dataclasses.replace(cfg, inverse_prec="tf32x3")
     raise ValueError(f"unknown variant {name!r}: pick from {VARIANTS}")
 
 
@@ -201,6 +206,35 @@ def fwd_bwd_grads(impl, x, h0, do, dht):
     torch.autograd.backward([o, ht], [do.to(o.dtype), dht])
     return dict(o=o, ht=ht, dq=t["q"].grad, dk=t["k"].grad, dv=t["v"].grad, dg=t["g"].grad,
                 dbeta=t["beta"].grad, dh0=h.grad)
+
+
+# ‖Δo‖/‖o‖ and ‖Δh‖/‖h‖ bound of the collapsed-keys stress case (bf16; tf32 in the WY inverse gave NaN)
+STRESS_TOL = 2e-2
+
+
+def collapsed_keys_errors(K: int, T: int = 4096, B: int = 2, H: int = 4, seed: int = 0) -> dict:
+    """bf16 forward where a sub-chunk's keys are nearly parallel (cos ≈ 0.99), β ≈ 0.98 and the
+    decay slow: the regime HyMo's GDN keys reach when representations collapse early in
+    training, and where the WY inverse's Neumann terms are large (see _unit_lower_inverse).
+    Returns ‖ours − ref‖/‖ref‖ for o and the final state against the float64 recurrence."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    u = F.normalize(rnd(1, 1, H, K), dim=-1)
+    x = dict(q=F.normalize(rnd(B, T, H, K), dim=-1), k=F.normalize(u + 0.05 * rnd(B, T, H, K), dim=-1),
+             v=rnd(B, T, H, K), g=torch.full((B, T, H), -1e-3, dtype=torch.float64),
+             beta=torch.full((B, T, H), 0.98, dtype=torch.float64))
+    ref_o, ref_ht = naive_recurrent_gated_delta_rule(
+        *(x[n].to(DEVICE) for n in ("q", "k", "v", "g", "beta")), output_final_state=True)
+    o, ht = chunk_gated_delta_rule(*(x[n].to(DEVICE).bfloat16() for n in ("q", "k", "v", "g", "beta")),
+                                   output_final_state=True)
+    err = {}
+    for name, a, b in (("o", o, ref_o), ("ht", ht, ref_ht)):
+        a = a.double()
+        err[name] = float("nan") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
+    return err
 
 
 def parity(shape, impls, heads, fast_ref=False):
@@ -581,7 +615,8 @@ def table_entry(cfg, K, V, NH):
         kc = getattr(cfg, n)
         ks.append(f"{n}=({kc.num_warps}, {kc.num_stages}" + (f", {cfg.tile(n)})" if n in _TILED else ")"))
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
-            f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, dot_bf16={cfg.dot_bf16}, " + ", ".join(ks) + "),")
+            f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, dot_bf16={cfg.dot_bf16}, "
+            f"inverse_prec={cfg.inverse_prec!r}, " + ", ".join(ks) + "),")
 
 
 def tune_shape(shape, args, pre, deadline, fla_impl, out):
@@ -875,6 +910,16 @@ def main(argv=None):
             judged = [r for r in prow if DEVICE == "cuda" or r[1] == torch.float32]
             ok = {name: all(r[3] for r in judged if r[0] == name) for name, _ in mine}
             res["parity"] = [dict(impl=r[0], dtype=str(r[1]), errors=r[2], ok=r[3]) for r in prow]
+            if DEVICE == "cuda":  # the collapsed-keys case at this K, per variant (the interpreter has no bf16)
+                res["stress"] = {}
+                for name, cfg in mine:
+                    with variant(shape, cfg):
+                        err = collapsed_keys_errors(K)
+                    good = err["o"] < STRESS_TOL and err["ht"] < STRESS_TOL
+                    ok[name] = ok[name] and good
+                    res["stress"][name] = err
+                    log(f"  {name} collapsed keys (bf16, K = {K}): o {err['o']:.1e} ht {err['ht']:.1e}  "
+                        f"{'PASS' if good else 'FAIL'} (< {STRESS_TOL:g})")
         times, kernels = {}, {}
         runs = [(name, ours, cfg) for name, cfg in mine] + [("fla", fla_impl, None), ("eager", eager_impl, None)]
         runs = [r for r in runs if r[1] is not None]

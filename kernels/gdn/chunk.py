@@ -62,7 +62,10 @@ class Config:
     ``_bwd_local``; the forward then saves every sub-chunk's start state (README, "Split
     backward").
     dot_bf16: with bf16 inputs, the dots run on bf16 operands (fp32 accumulation) instead of tf32
-    on fp32 ones, except those with T = (I + A)⁻¹, the WY inverse and the state pass."""
+    on fp32 ones, except those with T = (I + A)⁻¹, the WY inverse and the state pass.
+    inverse_prec: tl.dot's input_precision in the WY inverse's products: "ieee" (FMA, fp32) or
+    "tf32x3" (three tf32 tensor-core passes, ~2⁻²¹ relative error; a candidate, see
+    _unit_lower_inverse). "tf32" is unsafe there."""
 
     BT: int = 64
     BC: int = 16
@@ -77,6 +80,7 @@ class Config:
     state_pass: KernelCfg = KernelCfg(4)
     bwd_split: bool = False
     dot_bf16: bool = False
+    inverse_prec: str = "ieee"
     bwd_dstate: KernelCfg = KernelCfg(1, 2)
     bwd_sub: KernelCfg = KernelCfg(2, 1)
 
@@ -152,7 +156,8 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     BT = entry.get("BT", 64) if NH >= 128 else entry.get("BT_FEW", entry.get("BT", 64))
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
                   BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)),
-                  dot_bf16=bool(entry.get("dot_bf16", False)), **kc)
+                  dot_bf16=bool(entry.get("dot_bf16", False)),
+                  inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
 def get_config(K: int, V: int, NH: int = 160) -> Config:
@@ -261,17 +266,12 @@ def _geom(p: Problem) -> dict:
                 NORM_QK=p.norm, PREC=prec, TPREC=tprec)
 
 
-# The WY inverse's dot precision. "ieee" always: see _unit_lower_inverse. (A module constant so
-# that the GPU stress test can show what "tf32" does.)
-INVERSE_PRECISION = "ieee"
-
-
 def run_wy_inverse(p: Problem) -> torch.Tensor:
     """T = (I + A)⁻¹ of every sub-chunk, row by row beside its tokens ([B, T, H, BC] fp32)."""
     c = p.cfg
     tinv = torch.empty(p.B, p.T, p.H, c.BC, dtype=torch.float32, device=p.q.device)
     _kern._wy_inverse_kernel[(p.NC, p.H, c.BT // c.BC)](
-        p.k, p.g, p.beta, tinv, p.spans, p.T, LOG2_BC=int(math.log2(c.BC)), INV_PREC=INVERSE_PRECISION,
+        p.k, p.g, p.beta, tinv, p.spans, p.T, LOG2_BC=int(math.log2(c.BC)), INV_PREC=c.inverse_prec,
         **_geom(p), **_kw(c.wy_inverse))
     return tinv
 
