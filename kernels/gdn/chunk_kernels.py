@@ -25,9 +25,9 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   gradient, and ``_bwd_sub`` computes the input gradients with one program per sub-chunk.
 
 Measured on an H200 (BENCHMARKS.md): 1.6-2.1× faster than fla-core 0.6 fwd+bwd at K = V = 32,
-well short of the 8× goal, and 2.5× slower at K = V = 128. Each sub-chunk is a chain of tiny dependent dots,
-reductions and layout conversions at 1-2 warps per program, so the kernels are
-latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
+well short of the 8× goal, and 2.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
+dependent dots, reductions and layout conversions at 1-2 warps per program, so the kernels
+are latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
 """
 
 from __future__ import annotations
