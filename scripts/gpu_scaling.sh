@@ -26,10 +26,11 @@
 # step time, the optimizer container's step time and share (NorMuon + CautiousAdamW, NaN check
 # included), peak memory, time to the first step; per resume, the losses of steps
 # SAVE_STEP+1..SAVE_STEP+CONT_STEPS against the reference (max |dloss|, relative). A resume on
-# another number of GPUs does NOT see the reference's data: the data position falls back as
-# hymo_recipes/data/dataloader.py documents (each rank restarts its new shard and skips its
-# share of the sequences consumed), so the losses differ by batch-to-batch noise, not only by
-# bf16 reduction order; the table's tolerance says which case applies.
+# another number of GPUs does NOT see the reference's batches: the epoch continues on the
+# documents no rank has read, split over the new ranks (hymo_recipes/data/dataloader.py), so
+# the losses differ by batch-to-batch noise, not only by bf16 reduction order; the table's
+# tolerance says which case applies, and its trend check catches a resume that re-reads
+# trained-on data.
 #
 # Budget: every run is cut by `timeout` at what is left of DEADLINE_S (510 s from the start of
 # this script, setup included) minus a reserve for the table, so the script always ends and
