@@ -56,6 +56,12 @@ def table(tmp_path, *args):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def write_resumed(tmp_path, name, loss, extra):
+    """A run resumed on 1 GPU at steps 7-8 (2 microbatches), its log saying how the data resumed."""
+    write_tb(tmp_path / name, (7, 8), loss, tps=950.0, opt_pct=1.0)
+    write_log(tmp_path / f"{name}.log", [7, 8], loss, 950.0, accum=2, extra=extra)
+
+
 def test_scaling_rows_and_resume_comparison(tmp_path):
     ref_loss = lambda s: 12.0 - 0.1 * s  # noqa: E731
     write_tb(tmp_path / "s2", range(1, 9), ref_loss, tps=900.0, opt_pct=2.0)
@@ -64,11 +70,10 @@ def test_scaling_rows_and_resume_comparison(tmp_path):
     write_log(tmp_path / "s1.log", list(range(1, 7)), ref_loss, 1000.0, global_=4)
     # the resumed run: steps 7-8, 0.1 above the reference, other data (the fallback warning)
     res_loss = lambda s: ref_loss(s) + 0.1  # noqa: E731
-    write_tb(tmp_path / "r1", (7, 8), res_loss, tps=950.0, opt_pct=1.0)
-    write_log(tmp_path / "r1.log", [7, 8], res_loss, 950.0, accum=2,
-              extra="Resuming with 1 data-parallel ranks from a checkpoint of 2: the exact data "
-                    "position cannot carry over. Each rank restarts its shard and skips its share "
-                    "of the 48 sequences consumed so far (48 on rank 0), i.e. continues")
+    write_resumed(tmp_path, "r1", res_loss,
+                  extra="Resuming with 1 data-parallel ranks from a checkpoint of 2: the exact data "
+                        "position cannot carry over. Each rank restarts its shard and skips its "
+                        "share of the 48 sequences consumed so far (48 on rank 0), i.e. continues")
     rc, out = table(tmp_path, "--scale", "2", str(tmp_path / "s2"), str(tmp_path / "s2.log"),
                     "--scale", "1", str(tmp_path / "s1"), str(tmp_path / "s1.log"),
                     "--resume", "1", str(tmp_path / "r1"), str(tmp_path / "r1.log"))
@@ -98,11 +103,10 @@ def test_scaling_rows_and_resume_comparison(tmp_path):
     # a resume that trains differently: every step within the per-step tolerance, but the
     # loss falls 0.5 more than the reference's over the continued steps (the trend catches it)
     fast = lambda s: ref_loss(s) - 0.5 * (s - 7)  # noqa: E731
-    write_tb(tmp_path / "r2", (7, 8), fast, tps=950.0, opt_pct=1.0)
-    write_log(tmp_path / "r2.log", [7, 8], fast, 950.0, accum=2,
-              extra="Resuming with 1 data-parallel ranks from a checkpoint of 2: the epoch in "
-                    "progress continues with the documents no rank has read yet (254 on rank 0, "
-                    "in 2 range(s)); the old ranks' buffered partial sequences are dropped")
+    write_resumed(tmp_path, "r2", fast,
+                  extra="Resuming with 1 data-parallel ranks from a checkpoint of 2: the epoch in "
+                        "progress continues with the documents no rank has read yet (254 on rank "
+                        "0, in 2 range(s)); the old ranks' buffered partial sequences are dropped")
     rc, out = table(tmp_path, "--scale", "2", str(tmp_path / "s2"), str(tmp_path / "s2.log"),
                     "--resume", "1", str(tmp_path / "r2"), str(tmp_path / "r2.log"))
     assert rc == 1 and "verdict: OUTSIDE tolerance" in out, out

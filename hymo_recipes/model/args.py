@@ -162,7 +162,7 @@ class HymoModelArgs(BaseModelArgs):
         hymo = getattr(job_config, "hymo", None)  # present when [job] custom_config_module is set
         if hymo is not None and hymo.gdn_backend != "flavor":
             self.gdn_backend = hymo.gdn_backend
-        if hymo is not None and getattr(hymo, "gdn_dot_precision", "table") != "table":
+        if hymo is not None and hymo.gdn_dot_precision != "table":
             self.gdn_dot_precision = hymo.gdn_dot_precision
 
         if job_config.parallelism.context_parallel_degree > 1:

@@ -50,7 +50,7 @@ class Optimizer:
     adamw_cautious_wd: bool = True
     adamw_compiled: bool = False
     """Run CautiousAdamW's multi-tensor step under torch.compile: in 750m training on H200s
-    33.6 vs ~72 ms per step on 1 GPU, 52.5 vs ~68 ms on 2, for 40-90 s more compile before
+    33.6 vs ~72 ms per step on 1 GPU, 52.5 vs ~68 ms on 2, for 50-90 s more compile before
     step 1 (BENCHMARKS.md). Off by default: at the configs' accumulated batch the optimizer
     step is under 2 % of a training step."""
 

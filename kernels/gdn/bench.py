@@ -174,20 +174,22 @@ class variant:
             gdn_chunk.TUNING[self.key] = self.saved
 
 
-VARIANTS = ("default", "local", "split", "bf16dots", "tf32dots", "inv_tf32x3")
+# --variants: name -> Config fields replaced on top of the table's (or --tuning's) config
+VARIANTS = {
+    "default": {},
+    "local": dict(bwd_split=False),
+    "split": dict(bwd_split=True),
+    "bf16dots": dict(dot_bf16=True),
+    "tf32dots": dict(dot_bf16=False),
+    "inv_tf32x3": dict(inverse_prec="tf32x3"),
+}
 
 
 def variant_config(cfg, name):
     """The config of a --variants entry on top of `cfg`."""
-    if name == "default":
-        return cfg
-    if name in ("local", "split"):
-        return dataclasses.replace(cfg, bwd_split=name == "split")
-    if name in ("bf16dots", "tf32dots"):
-        return dataclasses.replace(cfg, dot_bf16=name == "bf16dots")
-    if name == "inv_tf32x3":
-        return dataclasses.replace(cfg, inverse_prec="tf32x3")
-    raise ValueError(f"unknown variant {name!r}: pick from {VARIANTS}")
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}: pick from {tuple(VARIANTS)}")
+    return dataclasses.replace(cfg, **VARIANTS[name])
 
 
 def rel(a, b):
@@ -929,7 +931,7 @@ def main(argv=None):
         per_round: dict[str, list] = {}
         for rnd in range(args.rounds):
             for name, impl, cfg in runs if rnd % 2 == 0 else runs[::-1]:
-                if (rnd > 0 and name == "eager") or (rnd > 0 and name not in per_round):
+                if rnd > 0 and (name == "eager" or name not in per_round):
                     continue
                 try:
                     with variant(shape, cfg):

@@ -102,13 +102,13 @@ def test_update_from_config_applies_the_hymo_gdn_backend_knob(tmp_path):
 
     jc = _job_config(128, str(tmp_path / "missing"))
     args = dataclasses.replace(hymo_flavors["debugmodel"])
-    jc.hymo = SimpleNamespace(gdn_backend="flavor")
+    jc.hymo = SimpleNamespace(gdn_backend="flavor", gdn_dot_precision="table")
     args.update_from_config(jc)
     assert args.gdn_backend == hymo_flavors["debugmodel"].gdn_backend
-    jc.hymo = SimpleNamespace(gdn_backend="naive")
+    jc.hymo = SimpleNamespace(gdn_backend="naive", gdn_dot_precision="table")
     args.update_from_config(jc)
     assert args.gdn_backend == "naive"
-    jc.hymo = SimpleNamespace(gdn_backend="bogus")
+    jc.hymo = SimpleNamespace(gdn_backend="bogus", gdn_dot_precision="table")
     with pytest.raises(ValueError, match="unknown gdn_backend 'bogus'"):
         args.update_from_config(jc)
 
