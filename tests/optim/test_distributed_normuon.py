@@ -18,10 +18,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _tiny  # noqa: E402
+from _spawn import mark_passed, spawn_ranks  # noqa: E402
 
 OPT = dict(moe_on_normuon=True, normuon_ortho_dtype="float32")
 # Row shards reduce gradients in another order than one process: ~1e-7 relative per step,
@@ -108,12 +108,13 @@ def worker(rank, world, tmp):
         assert guard.check_step([grad]) is False
         assert guard.check_step([torch.ones(3)]) is True
         assert guard.metrics() == {"skipped_steps": 2, "consecutive_skipped": 0}
+        mark_passed(tmp, rank)
         # Both ranks finish their last collective before either closes its sockets: a rank
         # that tears down gloo while its peer still reads the last message aborts the peer.
         dist.barrier()
     except BaseException:
         # mp.spawn reports only the first process to die, and a rank that fails an assertion
-        # can make its peer abort inside gloo first: keep every rank's own traceback.
+        # can make its peer abort inside gloo first: keep every rank's own traceback (_spawn.py).
         with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
@@ -137,11 +138,7 @@ def test_fsdp2_two_processes_match_one_and_reshard(tmp_path):
     assert max((params_after_3[k] - v).abs().max() for k, v in
                _tiny.make_model(0).named_parameters()) > 1e-2
 
-    try:
-        mp.spawn(worker, args=(2, tmp), nprocs=2, join=True)
-    except mp.ProcessExitedException as e:
-        errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
-        raise AssertionError(f"{e}; tracebacks of the ranks that raised:\n" + "\n".join(errors)) from e
+    spawn_ranks(worker, 2, tmp)
 
     # 3b. the 2-process checkpoint into 1 process
     dist_losses = torch.load(os.path.join(tmp, "dist.pt"))["losses_4_6_dist"]

@@ -8,11 +8,17 @@ orthogonalisation as well as fp32 and fp64 iterations.
 """
 
 import math
+import os
+import sys
+import traceback
 
 import pytest
 import torch
 
 from hymo_recipes.optim import NorMuon, orthogonalize, update_scale_factor
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _spawn import mark_passed, spawn_ranks  # noqa: E402
 
 # tall, wide, two squares (one batch), a 3-D expert stack and a 2-D matrix of the experts'
 # shape (one local batch with them), a matrix that never gets a gradient
@@ -197,8 +203,6 @@ def _dist_run(params, G, wrap=lambda t: t):
 
 
 def _dist_worker(rank, world, tmp):
-    import os
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -214,7 +218,12 @@ def _dist_worker(rank, world, tmp):
                [opt.state[p]["neuron_v"].full_tensor() for p in params])
         if rank == 0:
             torch.save(out, os.path.join(tmp, "dist.pt"))
+        mark_passed(tmp, rank)
         dist.barrier()
+    except BaseException:
+        with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -223,9 +232,7 @@ def _dist_worker(rank, world, tmp):
 def test_row_sharded_batches_match_one_process(tmp_path):
     """Stacked row-sharded batches (all-to-all, empty local rows, padding slots) under 2 gloo
     ranks give the one-process parameters and second moments."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_dist_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_dist_worker, 2, str(tmp_path))
     W, G = _dist_case()
     params = [torch.nn.Parameter(w.clone()) for w in W]
     opt = _dist_run(params, G)
