@@ -182,6 +182,9 @@ VARIANTS = {
     "bf16dots": dict(dot_bf16=True),
     "tf32dots": dict(dot_bf16=False),
     "inv_tf32x3": dict(inverse_prec="tf32x3"),
+    "inv_ieee": dict(inverse_prec="ieee"),
+    # the K = 32 table of the fourth session (tf32 dots, inverse products in fp32)
+    "tf32_ieee": dict(dot_bf16=False, inverse_prec="ieee"),
 }
 
 

@@ -64,7 +64,8 @@ class Config:
     dot_bf16: with bf16 inputs, the dots run on bf16 operands (fp32 accumulation) instead of tf32
     on fp32 ones, except those with T = (I + A)⁻¹, the WY inverse and the state pass.
     inverse_prec: tl.dot's input_precision in the WY inverse's products: "ieee" (FMA, fp32) or
-    "tf32x3" (three tf32 tensor-core passes, ~2⁻²¹ relative error; a candidate, see
+    "tf32x3" (three tf32 tensor-core passes, ~2⁻²¹ relative error: the same collapsed-keys error
+    on an H200, 40 % less time in `_wy_inverse`; the tuned entries use it, see
     _unit_lower_inverse). "tf32" is unsafe there."""
 
     BT: int = 64
@@ -121,16 +122,19 @@ _UNTUNED = dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
 TABLE: dict[tuple[int, int], dict] = {
     # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
     # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8);
-    # dot_bf16 would save 16 % GPU time here (BENCHMARKS.md); off until a GPU training run used it
+    # bf16 dots and the three-pass tf32 inverse: 1.366 -> 1.143 and 1.311 ms fwd+bwd, the same
+    # collapsed-keys error for the inverse, and a clean 200-step hymo_small run with bf16 dots
+    # (fifth session, BENCHMARKS.md)
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 2, 64), bwd_local=(2, 2, 32),
-                   bwd_split=False, dot_bf16=False, bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
+                   bwd_split=False, dot_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 2, 32), bwd_sub=(2, 1, 32)),
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
     # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; BENCHMARKS.md)
     (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, dot_bf16=True,
+                     inverse_prec="tf32x3",
                      wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 1, 128),
                      bwd_prep=(8, 3, 128), bwd_local=(8, 2, 128), bwd_dstate=(4, 3, 64), bwd_sub=(8, 1, 64)),
     (256, 256): _UNTUNED,
@@ -168,8 +172,17 @@ def get_config(K: int, V: int, NH: int = 160) -> Config:
         return TUNING[(K, V)]
     for (kc, vc), entry in sorted(TABLE.items()):
         if K <= kc and V <= vc:
-            return config_from_entry(K, V, NH, entry)
+            # every forward and backward asks (building a Config costs ~50 µs of host time per
+            # call); the copy of the entry keeps the cache right when TABLE is edited in place
+            key = (K, V, NH >= 128, kc, vc)
+            hit = _CONFIG_CACHE.get(key)
+            if hit is None or hit[0] != entry:
+                hit = _CONFIG_CACHE[key] = (dict(entry), config_from_entry(K, V, NH, entry))
+            return hit[1]
     raise ValueError(f"no launch table entry for K = {K}, V = {V}")
+
+
+_CONFIG_CACHE: dict[tuple, tuple[dict, Config]] = {}
 
 
 def triton_next_pow2(n: int) -> int:

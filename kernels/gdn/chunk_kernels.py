@@ -24,8 +24,8 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   chunk's sub-chunks in reverse carrying only dS and saves each sub-chunk's end-state
   gradient, and ``_bwd_sub`` computes the input gradients with one program per sub-chunk.
 
-Measured on an H200 (BENCHMARKS.md): 1.6-2.1× faster than fla-core 0.6 fwd+bwd at K = V = 32,
-well short of the 8× goal, and 2.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
+Measured on an H200 (BENCHMARKS.md, fifth session): 1.6-2.3× faster than fla-core 0.6 fwd+bwd
+at K = V = 32, well short of the 8× goal, and 1.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
 dependent dots, reductions and layout conversions at 1-2 warps per program, so the kernels
 are latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
 """
@@ -94,8 +94,9 @@ def _unit_lower_inverse(A, BC: tl.constexpr, LOG2_BC: tl.constexpr, PREC: tl.con
     PREC must not be "tf32": the products sum Neumann terms A^j whose entries reach
     C(BC−2, j−1) (3,432 for BC = 16) when a sub-chunk's keys are nearly parallel and β, Γ ≈ 1,
     and they cancel to an O(1) inverse. tf32's 10-bit mantissa leaves O(1) errors in T; the
-    chunk map then stops being a contraction and the state grows until it overflows. "ieee"
-    (the default) is safe; "tf32x3" (~2⁻²¹) is a candidate that bench.py's stress rows judge."""
+    chunk map then stops being a contraction and the state grows until it overflows. "ieee" is
+    safe; "tf32x3" (~2⁻²¹, the tuned entries' choice) measured the same error as "ieee" in
+    bench.py's collapsed-keys rows on an H200."""
     o_r = tl.arange(0, BC)
     Tm = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - A
     P = A

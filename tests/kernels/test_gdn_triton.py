@@ -185,6 +185,18 @@ def test_tilings(cfg, tuning, bwd_path):
     run_and_compare(x, cu_seqlens=cu, tol=TOL[torch.float32])
 
 
+def test_get_config_follows_table_edits(monkeypatch):
+    """get_config caches its Config, yet a replaced or edited TABLE entry takes effect at once."""
+    first = gdn_chunk.get_config(32, 32, 256)
+    assert gdn_chunk.get_config(32, 32, 256) is first  # cached
+    entry = dict(gdn_chunk.TABLE[(32, 32)])
+    monkeypatch.setitem(gdn_chunk.TABLE, (32, 32), dict(entry, BT=entry["BT"] * 2))
+    assert gdn_chunk.get_config(32, 32, 256).BT == 2 * first.BT
+    gdn_chunk.TABLE[(32, 32)]["BT"] = entry["BT"] // 2  # the same dict, edited in place
+    assert gdn_chunk.get_config(32, 32, 256).BT == first.BT // 2
+    assert gdn_chunk.get_config(32, 32, 1).BT == entry["BT_FEW"]  # few sequences x heads: its own entry
+
+
 @pytest.mark.parametrize("dtype, dot_bf16, prec", [
     (torch.bfloat16, True, "bf16"), (torch.bfloat16, False, "tf32"),
     (torch.float16, True, "tf32"), (torch.float32, True, "tf32x3"),
@@ -301,11 +313,14 @@ def test_backward_fills_no_zero_gradients():
     assert not [n for n in ops.names if "zero" in n or "fill" in n or "full" in n], ops.names
 
 
-@pytest.mark.parametrize("arg, expected", [(None, False), (True, True), (False, False)])
-def test_dot_bf16_argument_reaches_every_launch(arg, expected, monkeypatch):
-    """chunk_gated_delta_rule(dot_bf16=...) overrides the table in the forward and the backward
-    (the table's K = 16 entry has it off; None keeps that)."""
-    assert not gdn_chunk.get_config(16, 16).dot_bf16
+@pytest.mark.parametrize("table", [False, True], ids=["table-off", "table-on"])
+@pytest.mark.parametrize("arg", [None, True, False])
+def test_dot_bf16_argument_reaches_every_launch(arg, table, monkeypatch):
+    """chunk_gated_delta_rule(dot_bf16=...) overrides the table in the forward and the backward;
+    None keeps the table's setting."""
+    monkeypatch.setitem(gdn_chunk.TABLE, (32, 32), dict(gdn_chunk.TABLE[(32, 32)], dot_bf16=table))
+    assert gdn_chunk.get_config(16, 16).dot_bf16 == table
+    expected = table if arg is None else arg
     seen = []
     geom = gdn_chunk._geom
 
@@ -495,3 +510,13 @@ def test_gpu_compile_gdn_block_matches_eager():
     assert rel_err(x_c.grad, x_e.grad) < 2e-2
     for n, p in block.named_parameters():
         assert rel_err(grads_c[n], p.grad) < 2e-2, n
+
+
+def test_host_probe_needs_a_gpu(monkeypatch):
+    """The host-overhead probe measures against queued GPU work: on a CPU-only machine it stops
+    with a message instead of timing something else."""
+    from hymo_kernels.gdn import host_probe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        host_probe.main(["--shape", "1,64,1,16,16"])
