@@ -7,7 +7,8 @@ it and the time per call is what the host spends (Python, dispatch, autograd, Tr
 launcher). Beside it the wall time with the GPU free. When the host time of the op exceeds its
 GPU time, an eager benchmark measures the host, not the kernels (BENCHMARKS.md, fifth session).
 Rows: the op's fwd+bwd through its custom ops and autograd (what bench.py times), the same
-launches through ``_forward`` + ``_backward`` directly, the custom-op forward under no_grad
+in a plain autograd.Function (an eager path without custom ops), the same launches through
+``_forward`` + ``_backward`` directly, the custom-op forward under no_grad
 against ``_forward``, each launcher alone, and fla's fwd+bwd when fla-core is installed.
 """
 
@@ -69,6 +70,26 @@ def main(argv=None):
         o, ht, st, ti = C._forward(*d, None, None, scale, True)
         C._backward(*d, None, None, st, ti, do, None, scale, True)
 
+    class Eager(torch.autograd.Function):
+        """The op's forward and backward in a plain autograd.Function (no custom ops): what an
+        eager-only path would cost the host."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, g, beta):
+            o, _, st, ti = C._forward(q, k, v, g, beta, None, None, scale, True)
+            ctx.save_for_backward(q, k, v, g, beta, st, ti)
+            return o
+
+        @staticmethod
+        def backward(ctx, do_):
+            q, k, v, g, beta, st, ti = ctx.saved_tensors
+            return C._backward(q, k, v, g, beta, None, None, st, ti, do_.contiguous(), None, scale, True)[:5]
+
+    def eager_function():
+        for a in t:
+            a.grad = None
+        Eager.apply(*t).backward(do)
+
     def op_fwd_nograd():
         with torch.no_grad():
             C.gdn_chunk_fwd(*d, None, None, scale, True)
@@ -79,7 +100,8 @@ def main(argv=None):
     states, _ = C.run_state_pass(p, mn, None, False)
     mr = C.run_bwd_prep(p, tinv, do)
     dstates, _ = C.run_state_pass(p, mr, None, True)
-    rows = [("op fwd+bwd (custom ops, autograd)", op), ("_forward + _backward directly", direct),
+    rows = [("op fwd+bwd (custom ops, autograd)", op), ("same in an autograd.Function", eager_function),
+            ("_forward + _backward directly", direct),
             ("custom op forward, no_grad", op_fwd_nograd),
             ("_forward directly", lambda: C._forward(*d, None, None, scale, True)),
             ("make_problem", lambda: C.make_problem(*d, None, scale, True)),
