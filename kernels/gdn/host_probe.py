@@ -6,6 +6,9 @@ The GPU is kept busy by a sleep kernel while the calls are issued, so the host n
 it and the time per call is what the host spends (Python, dispatch, autograd, Triton's
 launcher). Beside it the wall time with the GPU free. When the host time of the op exceeds its
 GPU time, an eager benchmark measures the host, not the kernels (BENCHMARKS.md, fifth session).
+20 calls per row: the fifth session's numbers used 50, and there the single-launcher rows
+summed to 0.25 ms against 0.64 ms for the direct _forward + _backward row; whether a deep
+launch queue behind the sleep slows the driver is what fewer calls per row would show.
 Rows: the op's fwd+bwd through its custom ops and autograd (what bench.py times), the same
 in a plain autograd.Function (an eager path without custom ops), the same launches through
 ``_forward`` + ``_backward`` directly, the custom-op forward under no_grad
@@ -23,7 +26,7 @@ from . import bench as Bm
 from . import chunk as C
 
 
-def host_ms(fn, n=50):
+def host_ms(fn, n=20):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -36,7 +39,7 @@ def host_ms(fn, n=50):
     return ms
 
 
-def wall_ms(fn, n=50):
+def wall_ms(fn, n=20):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
