@@ -172,7 +172,7 @@ def get_config(K: int, V: int, NH: int = 160) -> Config:
         return TUNING[(K, V)]
     for (kc, vc), entry in sorted(TABLE.items()):
         if K <= kc and V <= vc:
-            # every forward and backward asks (building a Config costs ~50 µs of host time per
+            # every forward and backward asks (building a Config costs ~25 µs of host time per
             # call); the copy of the entry keeps the cache right when TABLE is edited in place
             key = (K, V, NH >= 128, kc, vc)
             hit = _CONFIG_CACHE.get(key)
