@@ -28,10 +28,10 @@ class Hymo:
     silently."""
     gdn_dot_precision: Literal["table", "tf32", "bf16"] = "table"
     """Operands of the Triton GDN kernel's dots for bf16 inputs. "table" keeps the flavor's
-    setting, which leaves the choice to the kernel's launch table (tf32 at HyMo's head dims).
+    setting, which leaves the choice to the kernel's launch table (bf16 at HyMo's head dims).
     "bf16" rounds the operands to bf16 (fp32 accumulation; the WY inverse's dots excepted):
-    ~16 % less kernel time on an H200, ~1.5x the bf16 error (kernels/gdn/README.md). "tf32"
-    forces tf32. Other values need gdn_backend "triton"."""
+    ~16 % less kernel time than "tf32" on an H200, ~1.5x the bf16 error (kernels/gdn/README.md).
+    "tf32" forces tf32 operands. Values other than "table" need gdn_backend "triton"."""
     nonfinite_probe: bool = False
     """Debugging: log, for each forward, the first module whose output is NaN/Inf while its
     inputs are finite (hymo_recipes/nonfinite_probe.py); with compile, which compiled block, and

@@ -848,8 +848,8 @@ def main(argv=None):
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--variants", default="default",
-                    help="comma list of backward paths timed at every shape: default (the table's config), "
-                         "local (_bwd_local), split (_bwd_dstate + _bwd_sub), bf16dots / tf32dots (Config.dot_bf16 on / off)")
+                    help="comma list of configs timed at every shape, each the table's with some Config fields "
+                         f"replaced (bench.VARIANTS): {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timing rounds per shape (order reversed every other round; median; eager timed once)")
     ap.add_argument("--fast-ref", action="store_true",

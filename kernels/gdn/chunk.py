@@ -115,7 +115,7 @@ KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
 # prints its winners in this format, to paste here. bwd_split picks the backward path
 # (False: _bwd_local; True: _bwd_dstate + _bwd_sub, on an H200 6 % faster at
 # (4,4096,40,32,32) but 20 % slower at 8x and 32K tokens, untuned: README "Split backward");
-# the launches of bwd_dstate and bwd_sub are guesses until `bench.py --tune` has timed them.
+# the K = 32 launches of bwd_dstate and bwd_sub are guesses until `bench.py --tune` has timed them.
 _UNTUNED = dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
                 wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
                 bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1))

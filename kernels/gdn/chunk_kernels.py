@@ -248,11 +248,8 @@ def _state_pass_kernel(
         else:
             c = c0 + j
         base = (c.to(tl.int64) * H + i_h) * K + o_k[:, None]
-        if SLOTS == 1:
-            tl.store(states + base * V + o_v[None, :], X, mask=m_v[None, :])
-        else:
-            p_st = ((c.to(tl.int64) * SLOTS * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-            tl.store(states + p_st, X, mask=m_v[None, :])
+        p_st = ((c.to(tl.int64) * SLOTS * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(states + p_st, X, mask=m_v[None, :])
         Ac = tl.load(ab + base * (K + V) + o_k[None, :])
         Bc = tl.load(ab + base * (K + V) + K + o_v[None, :], mask=m_v[None, :], other=0.0)
         X = _dot(Ac, X, PREC) + Bc

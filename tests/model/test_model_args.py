@@ -97,34 +97,37 @@ def test_update_from_config_without_tokenizer_keeps_vocab_and_rejects_cp(tmp_pat
         args.update_from_config(_job_config(128, str(tmp_path / "missing"), cp=2))
 
 
-def test_update_from_config_applies_the_hymo_gdn_backend_knob(tmp_path):
+def _hymo(**knobs):
+    """A [hymo] section with the defaults ("flavor" backend, "table" precision) except knobs."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(**{"gdn_backend": "flavor", "gdn_dot_precision": "table", **knobs})
+
+
+def test_update_from_config_applies_the_hymo_gdn_backend_knob(tmp_path):
     jc = _job_config(128, str(tmp_path / "missing"))
     args = dataclasses.replace(hymo_flavors["debugmodel"])
-    jc.hymo = SimpleNamespace(gdn_backend="flavor", gdn_dot_precision="table")
+    jc.hymo = _hymo()
     args.update_from_config(jc)
     assert args.gdn_backend == hymo_flavors["debugmodel"].gdn_backend
-    jc.hymo = SimpleNamespace(gdn_backend="naive", gdn_dot_precision="table")
+    jc.hymo = _hymo(gdn_backend="naive")
     args.update_from_config(jc)
     assert args.gdn_backend == "naive"
-    jc.hymo = SimpleNamespace(gdn_backend="bogus", gdn_dot_precision="table")
+    jc.hymo = _hymo(gdn_backend="bogus")
     with pytest.raises(ValueError, match="unknown gdn_backend 'bogus'"):
         args.update_from_config(jc)
 
 
 def test_update_from_config_applies_the_hymo_gdn_dot_precision_knob(tmp_path):
-    from types import SimpleNamespace
-
     jc = _job_config(128, str(tmp_path / "missing"))
     args = dataclasses.replace(hymo_flavors["750m"])
-    jc.hymo = SimpleNamespace(gdn_backend="flavor", gdn_dot_precision="table")
+    jc.hymo = _hymo()
     args.update_from_config(jc)
     assert args.gdn_dot_precision == "table"
-    jc.hymo = SimpleNamespace(gdn_backend="flavor", gdn_dot_precision="bf16")
+    jc.hymo = _hymo(gdn_dot_precision="bf16")
     args.update_from_config(jc)
     assert args.gdn_dot_precision == "bf16"
     # a CPU backend with a kernel precision is refused before anything is built
-    jc.hymo = SimpleNamespace(gdn_backend="torch_chunk", gdn_dot_precision="bf16")
+    jc.hymo = _hymo(gdn_backend="torch_chunk", gdn_dot_precision="bf16")
     with pytest.raises(ValueError, match="sets the Triton kernel's dots"):
         args.update_from_config(jc)
