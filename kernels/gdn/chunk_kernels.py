@@ -24,8 +24,8 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   chunk's sub-chunks in reverse carrying only dS and saves each sub-chunk's end-state
   gradient, and ``_bwd_sub`` computes the input gradients with one program per sub-chunk.
 
-Measured on an H200 (BENCHMARKS.md, fifth session): 1.6-2.3× faster than fla-core 0.6 fwd+bwd
-at K = V = 32, well short of the 8× goal, and 1.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
+Measured on an H200 (BENCHMARKS.md, sixth session): 2.0-3.4× faster than fla-core 0.6 fwd+bwd
+at K = V = 32 (1.4-2.1× by GPU time), well short of the 8× goal, and 1.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
 dependent dots, reductions and layout conversions at 1-2 warps per program, so the kernels
 are latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
 """

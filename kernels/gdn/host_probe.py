@@ -9,10 +9,12 @@ GPU time, an eager benchmark measures the host, not the kernels (BENCHMARKS.md, 
 20 calls per row: the fifth session's numbers used 50, and there the single-launcher rows
 summed to 0.25 ms against 0.64 ms for the direct _forward + _backward row; whether a deep
 launch queue behind the sleep slows the driver is what fewer calls per row would show.
-Rows: the op's fwd+bwd through its custom ops and autograd (what bench.py times), the same
-in a plain autograd.Function (an eager path without custom ops), the same launches through
-``_forward`` + ``_backward`` directly, the custom-op forward under no_grad
-against ``_forward``, each launcher alone, and fla's fwd+bwd when fla-core is installed.
+Rows: the op's fwd+bwd as an eager call runs it (a plain autograd.Function; what bench.py
+times), the same through the custom ops and their registered autograd (what torch.compile
+traces; the eager path until the sixth session), the same launches through ``_forward`` +
+``_backward`` directly, an autograd.Function that launches nothing (autograd's own cost),
+the custom-op forward under no_grad against ``_forward``, each launcher alone, and fla's
+fwd+bwd when fla-core is installed.
 """
 
 from __future__ import annotations
@@ -69,29 +71,32 @@ def main(argv=None):
         o, _ = Bm.ours(*t)
         o.backward(do)
 
+    def custom_ops():
+        for a in t:
+            a.grad = None
+        o, _, _, _ = C.gdn_chunk_fwd(*t, None, None, scale, True)
+        o.backward(do)
+
     def direct():
         o, ht, st, ti = C._forward(*d, None, None, scale, True)
         C._backward(*d, None, None, st, ti, do, None, scale, True)
 
-    class Eager(torch.autograd.Function):
-        """The op's forward and backward in a plain autograd.Function (no custom ops): what an
-        eager-only path would cost the host."""
+    class Nop(torch.autograd.Function):
+        """Autograd's own host cost: no kernels, outputs from torch.empty_like."""
 
         @staticmethod
-        def forward(ctx, q, k, v, g, beta):
-            o, _, st, ti = C._forward(q, k, v, g, beta, None, None, scale, True)
-            ctx.save_for_backward(q, k, v, g, beta, st, ti)
-            return o
+        def forward(ctx, *a):
+            ctx.save_for_backward(*a)
+            return torch.empty_like(a[2])
 
         @staticmethod
-        def backward(ctx, do_):
-            q, k, v, g, beta, st, ti = ctx.saved_tensors
-            return C._backward(q, k, v, g, beta, None, None, st, ti, do_.contiguous(), None, scale, True)[:5]
+        def backward(ctx, g_):
+            return tuple(torch.empty_like(a) for a in ctx.saved_tensors)
 
-    def eager_function():
+    def empty_function():
         for a in t:
             a.grad = None
-        Eager.apply(*t).backward(do)
+        Nop.apply(*t).backward(do)
 
     def op_fwd_nograd():
         with torch.no_grad():
@@ -103,8 +108,9 @@ def main(argv=None):
     states, _ = C.run_state_pass(p, mn, None, False)
     mr = C.run_bwd_prep(p, tinv, do)
     dstates, _ = C.run_state_pass(p, mr, None, True)
-    rows = [("op fwd+bwd (custom ops, autograd)", op), ("same in an autograd.Function", eager_function),
+    rows = [("op fwd+bwd (eager: autograd.Function)", op), ("same through the custom ops", custom_ops),
             ("_forward + _backward directly", direct),
+            ("empty autograd.Function, same inputs", empty_function),
             ("custom op forward, no_grad", op_fwd_nograd),
             ("_forward directly", lambda: C._forward(*d, None, None, scale, True)),
             ("make_problem", lambda: C.make_problem(*d, None, scale, True)),
