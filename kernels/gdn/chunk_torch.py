@@ -15,6 +15,12 @@ with γ the in-chunk inclusive cumsum of g and Γ[r, i] = exp(γ_r − γ_i)::
 Ragged inputs (T not a multiple of C, or packed documents) are padded with tokens that have
 k = v = 0, β = 0 and g = 0: such a token neither writes to nor decays the state, so padding
 changes nothing and every document runs as one row of a padded batch.
+
+The backward is hand-written (``_chunk_rows_backward``: kernels/gdn/README.md's "Backward"
+with the sub-chunk c = C) and split the way a large-head kernel path would split it (README,
+next step 5): a reverse pass over the chunk ends' state gradients that carries one K×V tile,
+then every chunk's input gradients in parallel. The reference tests check it against the
+float64 recurrence.
 """
 
 from __future__ import annotations
@@ -67,7 +73,6 @@ def chunk_gated_delta_rule_torch(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T, H, K = q.shape
-    V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     C = chunk_size
@@ -88,7 +93,7 @@ def chunk_gated_delta_rule_torch(
 
     qr, kr, vr, gr, br = (rows(x) for x in (q, k, v, g, beta))
     h0 = None if initial_state is None else initial_state.to(acc)
-    o, h = _chunk_rows(qr, kr, vr, gr, br, scale, h0, C)
+    o, h = _ChunkRowsFn.apply(qr, kr, vr, gr, br, h0, scale, C)
 
     if cu_seqlens is None:
         o = o[:, :T]
@@ -97,42 +102,128 @@ def chunk_gated_delta_rule_torch(
     return o.to(v.dtype), (h if output_final_state else None)
 
 
+class _Chunks:
+    """Per-chunk tensors of the algebra on [N, L, H, *] rows, as [N, H, nc, C, *] (README,
+    "Forward", with the sub-chunk c = C): everything that does not depend on the state."""
+
+    def __init__(self, q, k, v, g, beta, scale, C):
+        N, L, H, K = q.shape
+        nc = L // C
+
+        def chunks(x):
+            return x.reshape(N, nc, C, H, -1).permute(0, 3, 1, 2, 4)
+
+        self.q, self.k, self.v = chunks(q), chunks(k), chunks(v)
+        self.beta = beta.reshape(N, nc, C, H).permute(0, 3, 1, 2)
+        self.gam = g.reshape(N, nc, C, H).permute(0, 3, 1, 2).cumsum(-1)  # γ, [N, H, nc, C]
+        idx = torch.arange(C, device=q.device)
+        self.causal = idx[:, None] >= idx[None, :]
+        self.strict = idx[:, None] > idx[None, :]
+        # Γ ⊙ causal: fill before exp so that γ_r − γ_i > 0 (above the diagonal) never overflows
+        self.decay = (self.gam[..., :, None] - self.gam[..., None, :]).masked_fill(~self.causal, float("-inf")).exp()
+        self.bkk = (self.k @ self.k.transpose(-1, -2) * self.decay).masked_fill(~self.strict, 0.0)  # B
+        self.a = self.beta[..., None] * self.bkk  # A = diag(β) B
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        self.t_inv = torch.linalg.solve_triangular(eye + self.a, eye.expand_as(self.a), upper=False,
+                                                   unitriangular=True)
+        self.eg = self.gam.exp()  # a_r = e^{γ_r}
+        self.x = (self.beta * self.eg)[..., None] * self.k  # X = diag(β a) K
+        self.w = self.t_inv @ self.x  # W, [N, H, nc, C, K]
+        self.u = self.t_inv @ (self.beta[..., None] * self.v)  # U = T diag(β) V
+        self.qs = scale * self.q
+        self.q_decayed = self.qs * self.eg[..., None]  # Q̃
+        self.p = (self.qs @ self.k.transpose(-1, -2)) * self.decay  # P = (q' Kᵀ) ⊙ Γ ⊙ causal
+        self.e_end = (self.gam[..., -1:] - self.gam).exp()  # d_r = e^{γ_L − γ_r}
+        self.k_to_end = self.k * self.e_end[..., None]  # K̃: each key decayed to the chunk end
+        self.g_end = self.gam[..., -1].exp()  # e^{γ_L}, [N, H, nc]
+
+    @staticmethod
+    def rows(x):
+        """[N, H, nc, C, D] back to [N, L, H, D]."""
+        N, H, nc, C, D = x.shape
+        return x.permute(0, 2, 3, 1, 4).reshape(N, nc * C, H, D)
+
+
 def _chunk_rows(q, k, v, g, beta, scale, h0, C):
-    """The chunked recurrence on [N, L, H, *] rows with L a multiple of C; returns (o, S_final)."""
-    N, L, H, K = q.shape
-    V = v.shape[-1]
-    nc = L // C
-
-    # [N, H, nc, C, *] so that every chunk of every head is one batch entry of the matmuls
-    def chunks(x):
-        return x.reshape(N, nc, C, H, -1).permute(0, 3, 1, 2, 4)
-
-    q, k, v = chunks(q), chunks(k), chunks(v)
-    g = g.reshape(N, nc, C, H).permute(0, 3, 1, 2)
-    beta = beta.reshape(N, nc, C, H).permute(0, 3, 1, 2)
-
-    gam = g.cumsum(-1)  # γ, [N, H, nc, C]
-    idx = torch.arange(C, device=q.device)
-    causal = idx[:, None] >= idx[None, :]
-    strict = idx[:, None] > idx[None, :]
-    # Γ ⊙ causal: fill before exp so that γ_r − γ_i > 0 (above the diagonal) never overflows
-    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-
-    a = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    t_inv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
-    w = t_inv @ ((beta * gam.exp())[..., None] * k)  # [N, H, nc, C, K]
-    u = t_inv @ (beta[..., None] * v)  # [N, H, nc, C, V]
-    q_decayed = q * gam.exp()[..., None]
-    qk = (q @ k.transpose(-1, -2)) * decay  # [N, H, nc, C, C]
-    k_to_end = k * (gam[..., -1:] - gam).exp()[..., None]  # each key decayed to the chunk end
-
-    s = q.new_zeros(N, H, K, V) if h0 is None else h0
-    outs = []
+    """The chunked recurrence on [N, L, H, *] rows with L a multiple of C; returns (o, S_final,
+    per-chunk start states [N, H, nc, K, V], the chunk tensors)."""
+    ch = _Chunks(q, k, v, g, beta, scale, C)
+    N, H, nc = ch.gam.shape[:3]
+    s = q.new_zeros(N, H, q.shape[-1], v.shape[-1]) if h0 is None else h0
+    outs, starts = [], []
     # the only sequential part: nc state hand-offs between chunks
     for c in range(nc):
-        v_new = u[:, :, c] - w[:, :, c] @ s
-        outs.append(scale * (q_decayed[:, :, c] @ s + qk[:, :, c] @ v_new))
-        s = s * gam[:, :, c, -1].exp()[..., None, None] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2)  # [N, H, nc, C, V]
-    return o.permute(0, 2, 3, 1, 4).reshape(N, L, H, V), s
+        starts.append(s)
+        v_new = ch.u[:, :, c] - ch.w[:, :, c] @ s
+        outs.append(ch.q_decayed[:, :, c] @ s + ch.p[:, :, c] @ v_new)
+        s = s * ch.g_end[:, :, c, None, None] + ch.k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    return ch.rows(torch.stack(outs, dim=2)), s, torch.stack(starts, dim=2), ch
+
+
+def _chunk_rows_backward(ch: _Chunks, scale, starts, do, dht):
+    """Hand-written backward of _chunk_rows (README, "Backward", with the sub-chunk c = C):
+    gradients of q, k, v, g, beta and the initial state from those of o and the final state.
+    In the order a large-head kernel path would split it: the state-free chunk tensors (in
+    parallel), the reverse pass over the chunk ends' state gradients dS' (sequential, carries
+    one K×V tile), then every chunk's input gradients from its S and dS' (in parallel)."""
+    nc, C = ch.gam.shape[2:]
+    do = do.reshape(do.shape[0], nc, C, do.shape[2], -1).permute(0, 3, 1, 2, 4)
+    s = starts  # [N, H, nc, K, V]
+    v_new = ch.u - ch.w @ s
+    # reverse pass: dS' of every chunk (the gradient of its end state)
+    ds_end = torch.empty_like(s)
+    ds = torch.zeros_like(s[:, :, 0]) if dht is None else dht
+    for c in reversed(range(nc)):
+        ds_end[:, :, c] = ds
+        dvn = ch.p[:, :, c].transpose(-1, -2) @ do[:, :, c] + ch.k_to_end[:, :, c] @ ds
+        ds = (ch.q_decayed[:, :, c].transpose(-1, -2) @ do[:, :, c] + ch.g_end[:, :, c, None, None] * ds
+              - ch.w[:, :, c].transpose(-1, -2) @ dvn)
+    dh0 = ds
+    # every chunk in parallel
+    mT = lambda x: x.transpose(-1, -2)  # noqa: E731
+    dvn = mT(ch.p) @ do + ch.k_to_end @ ds_end
+    dy = mT(ch.t_inv) @ dvn  # dU = dv_new, U = T Y
+    dx = -dy @ mT(s)  # dW = −dv_new Sᵀ, W = T X
+    da = -(dy @ mT(v_new)).masked_fill(~ch.strict, 0.0)
+    dq_dec = do @ mT(s)  # dQ̃
+    dp = (do @ mT(v_new)).masked_fill(~ch.causal, 0.0)
+    dk_end = v_new @ mT(ds_end)  # dK̃
+    dpg = dp * ch.decay
+    gk = da * ch.decay * ch.beta[..., None]  # G = dA ⊙ diag(β) Γ
+    dq = scale * (dq_dec * ch.eg[..., None] + dpg @ ch.k)
+    dk = (mT(dpg) @ ch.qs + dk_end * ch.e_end[..., None] + dx * (ch.beta * ch.eg)[..., None]
+          + (gk + mT(gk)) @ ch.k)
+    dv = dy * ch.beta[..., None]
+    dbeta = ch.eg * (dx * ch.k).sum(-1) + (dy * ch.v).sum(-1) + (da * ch.bkk).sum(-1)
+    e = dp * ch.p + da * ch.a
+    f = (dk_end * ch.k_to_end).sum(-1)
+    dgam = (dq_dec * ch.q_decayed).sum(-1) + e.sum(-1) - e.sum(-2) - f + (dx * ch.x).sum(-1)
+    dg_end = ch.g_end * (ds_end * s).sum((-1, -2)) + f.sum(-1)  # dγ_L, [N, H, nc]
+    # γ is an in-chunk cumsum and γ_L involves every g of the chunk
+    dg = dgam.flip(-1).cumsum(-1).flip(-1) + dg_end[..., None]
+    rows = _Chunks.rows
+    return rows(dq), rows(dk), rows(dv), rows(dg[..., None])[..., 0], rows(dbeta[..., None])[..., 0], dh0
+
+
+class _ChunkRowsFn(torch.autograd.Function):
+    """_chunk_rows with its hand-written backward. It keeps the forward's chunk tensors (as
+    autograd would) instead of recomputing them: recomputing made the CPU backward 2x slower."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale, C):
+        o, s, starts, ch = _chunk_rows(q, k, v, g, beta, scale, h0, C)
+        ctx.save_for_backward(starts)
+        # tensors made here from the inputs, referenced nowhere else: nothing can modify them
+        ctx.chunks, ctx.scale, ctx.has_h0 = ch, scale, h0 is not None
+        ctx.set_materialize_grads(False)
+        return o, s
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        (starts,) = ctx.saved_tensors
+        ch = ctx.chunks
+        if do is None:
+            N, H, nc, C, V = ch.v.shape
+            do = ch.v.new_zeros(N, nc * C, H, V)
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_rows_backward(ch, ctx.scale, starts, do, dht)
+        return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None
