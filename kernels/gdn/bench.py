@@ -187,6 +187,12 @@ VARIANTS = {
     "tf32_ieee": dict(dot_bf16=False, inverse_prec="ieee"),
     # K = 32 shapes only (it sets K = 32 launches): the backward launches of the table before the
     # sixth session adopted the fifth session's retune
+    # the large-head path (sixth session; untimed there): 64-token chunks, the kernels' default
+    # launches, and 8 warps with 32-column value blocks (no spills in the passes at K = 128 in
+    # sm_90 code from Triton 3.9)
+    "large_head": dict(large_head=True, BT=64),
+    "large_head_w8": dict(large_head=True, BT=64, BV=32, lh_inverse=KernelCfg(8, 1), lh_fwd_h=KernelCfg(8, 2),
+                          lh_fwd_o=KernelCfg(8, 2), lh_bwd_dh=KernelCfg(8, 2), lh_bwd_grads=KernelCfg(8, 1)),
     "pre_retune32": dict(bwd_prep=KernelCfg(1, 2, 64), bwd_local=KernelCfg(2, 2, 32), bwd_dstate=KernelCfg(1, 2, 32),
                          bwd_sub=KernelCfg(2, 1, 32)),
 }

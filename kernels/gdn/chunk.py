@@ -1,8 +1,9 @@
 """Chunked Gated DeltaNet in Triton: the public op, its torch.library registration and launchers.
 
 ``chunk_gated_delta_rule`` takes flash-linear-attention's arguments in the same order and
-returns ``(o, final_state)``; the kernels are in ``chunk_kernels.py`` and the derivation of
-the forward and the hand-written backward in ``README.md``.
+returns ``(o, final_state)``; the kernels are in ``chunk_kernels.py`` (and the large-head
+path's, ``Config.large_head``, in ``large_head_kernels.py``) and the derivation of the forward
+and the hand-written backward in ``README.md``.
 
 The op is two ``torch.library.custom_op``s (forward, backward) with fake implementations and
 ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces a model that calls it
@@ -27,10 +28,11 @@ from .naive import check_gdn_inputs
 
 try:  # Triton is optional for the package: only this backend needs it (chunk_kernels imports it)
     from . import chunk_kernels as _kern
+    from . import large_head_kernels as _lh
 
     _TRITON_ERROR: Exception | None = None
 except Exception as e:  # noqa: BLE001 - any import failure means "no Triton backend"
-    _kern = None
+    _kern = _lh = None
     _TRITON_ERROR = e
 
 # Whether the kernels were built for Triton's CPU interpreter (decided when triton.jit ran).
@@ -66,7 +68,11 @@ class Config:
     inverse_prec: tl.dot's input_precision in the WY inverse's products: "ieee" (FMA, fp32) or
     "tf32x3" (three tf32 tensor-core passes, ~2⁻²¹ relative error: the same collapsed-keys error
     on an H200, 40 % less time in `_wy_inverse`; the tuned entries use it, see
-    _unit_lower_inverse). "tf32" is unsafe there."""
+    _unit_lower_inverse). "tf32" is unsafe there.
+    large_head: the large-head path (``large_head_kernels.py``; meant for K ≥ 64): the chunk
+    algebra on whole chunks of BT tokens (T = (I + A)⁻¹ is BT×BT, built from BC-token blocks),
+    a sequential pass per value block instead of [M | N] chunk maps, and the backward as a
+    reverse pass plus one parallel gradient kernel. Untimed on a GPU so far: off in TABLE."""
 
     BT: int = 64
     BC: int = 16
@@ -84,21 +90,36 @@ class Config:
     inverse_prec: str = "ieee"
     bwd_dstate: KernelCfg = KernelCfg(1, 2)
     bwd_sub: KernelCfg = KernelCfg(2, 1)
+    large_head: bool = False
+    lh_inverse: KernelCfg = KernelCfg(4, 1)
+    lh_fwd_h: KernelCfg = KernelCfg(4, 2)
+    lh_fwd_o: KernelCfg = KernelCfg(4, 2)
+    lh_bwd_dh: KernelCfg = KernelCfg(4, 2)
+    lh_bwd_grads: KernelCfg = KernelCfg(4, 1)
 
     def tile(self, kernel: str) -> int:
         """The column tile that `kernel` runs with (0 for the inverse kernel, which has none)."""
         shared = {"fwd_prep": self.BZ, "bwd_prep": self.BZ, "fwd_out": self.BV, "bwd_local": self.BV,
-                  "bwd_dstate": self.BV, "bwd_sub": self.BV, "state_pass": self.BV_PASS}.get(kernel, 0)
+                  "bwd_dstate": self.BV, "bwd_sub": self.BV, "state_pass": self.BV_PASS,
+                  "lh_fwd_h": self.BV, "lh_fwd_o": self.BV, "lh_bwd_dh": self.BV,
+                  "lh_bwd_grads": self.BV}.get(kernel, 0)
         return (getattr(self, kernel).block or shared) if shared else 0
 
     def kernels(self) -> tuple[str, ...]:
         """The kernels this config launches (its backward path's), in launch order."""
+        if self.large_head:
+            return KERNELS_LARGE
         return KERNELS_SPLIT if self.bwd_split else KERNELS_LOCAL
 
     @property
     def slots(self) -> int:
         """Saved states per chunk: one per sub-chunk on the split path, else one."""
-        return self.BT // self.BC if self.bwd_split else 1
+        return self.BT // self.BC if self.bwd_split and not self.large_head else 1
+
+    @property
+    def t_width(self) -> int:
+        """Columns of the saved T = (I + A)⁻¹ per token: a chunk's on the large-head path."""
+        return self.BT if self.large_head else self.BC
 
 
 # The kernels in launch order (the state pass runs twice: forward, then in reverse), per backward
@@ -106,6 +127,8 @@ class Config:
 KERNELS_LOCAL = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_local")
 KERNELS_SPLIT = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_dstate", "bwd_sub")
 KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
+# the large-head path's (not in KERNELS: `bench.py --tune` does not tune them yet)
+KERNELS_LARGE = ("lh_inverse", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads")
 
 # Launch table by (K, V) class: the first entry (in key order) with K ≤ Kc and V ≤ Vc applies.
 # Tiles: BT for N·H ≥ 128 (sequences × heads), BT_FEW below that (the state pass is then short
@@ -150,9 +173,9 @@ TUNING: dict[tuple[int, int], Config] = {}
 def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     """A Config for head dims K, V and NH = sequences × heads from a TABLE-style entry."""
     cap = dict(fwd_prep=triton_next_pow2(K + V), bwd_prep=triton_next_pow2(K + V), fwd_out=V, bwd_local=V,
-               bwd_dstate=V, bwd_sub=V, state_pass=V)
+               bwd_dstate=V, bwd_sub=V, state_pass=V, lh_fwd_h=V, lh_fwd_o=V, lh_bwd_dh=V, lh_bwd_grads=V)
     kc = {}
-    for n in KERNELS:
+    for n in KERNELS + KERNELS_LARGE:
         if n in entry:
             c = KernelCfg(*entry[n])
             kc[n] = dataclasses.replace(c, block=min(c.block, cap[n])) if c.block and n in cap else c
@@ -162,7 +185,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     BT = entry.get("BT", 64) if NH >= 128 else entry.get("BT_FEW", entry.get("BT", 64))
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
                   BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)),
-                  dot_bf16=bool(entry.get("dot_bf16", False)),
+                  dot_bf16=bool(entry.get("dot_bf16", False)), large_head=bool(entry.get("large_head", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
@@ -398,8 +421,57 @@ def run_bwd_sub(p: Problem, tinv, do, sub_states, dsub):
     return _sum_parts(p, *grads)
 
 
+def _lh_geom(p: Problem) -> dict:
+    g = _geom(p)
+    del g["BC"]
+    return g
+
+
+def run_lh_forward(p: Problem, h0):
+    """Large-head path: (o, final state, chunk start states, T = (I + A)⁻¹ per chunk)."""
+    c, dev, f32 = p.cfg, p.q.device, torch.float32
+    tinv = torch.empty(p.B, p.T, p.H, c.BT, dtype=f32, device=dev)
+    gcum = torch.empty(p.B, p.T, p.H, dtype=f32, device=dev)
+    geom = _lh_geom(p)
+    _lh._lh_inverse_kernel[(p.NC, p.H)](
+        p.k, p.g, p.beta, tinv, gcum, p.spans, p.T, BC=c.BC, LOG2_BC=int(math.log2(c.BC)),
+        INV_PREC=c.inverse_prec, **{n: geom[n] for n in ("H", "K", "BT", "IS_VARLEN", "NORM_QK", "TPREC")},
+        **_kw(c.lh_inverse))
+    states = torch.empty(p.NC, p.H, p.K, p.V, dtype=f32, device=dev)
+    final = torch.empty(p.N, p.H, p.K, p.V, dtype=f32, device=dev)
+    BV = c.tile("lh_fwd_h")
+    _lh._lh_fwd_h_kernel[(p.N, p.H, _cdiv(p.V, BV))](
+        p.q, p.k, p.v, p.g, p.beta, tinv, states, h0 if h0 is not None else final, final, p.spans, p.offs, p.T,
+        p.scale, V=p.V, BV=BV, HAS_X0=h0 is not None, **geom, **_kw(c.lh_fwd_h))
+    o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=dev)
+    BV = c.tile("lh_fwd_o")
+    _lh._lh_fwd_o_kernel[(p.NC, p.H, _cdiv(p.V, BV))](
+        p.q, p.k, p.v, p.g, p.beta, tinv, states, o, p.spans, p.T, p.scale, V=p.V, BV=BV, **geom,
+        **_kw(c.lh_fwd_o))
+    return o, final, states, tinv
+
+
+def run_lh_backward(p: Problem, tinv, states, do, dht):
+    """Large-head path: (dq, dk, dv, dg, dβ, dh0)."""
+    c, dev, f32 = p.cfg, p.q.device, torch.float32
+    geom = _lh_geom(p)
+    dstates = torch.empty(p.NC, p.H, p.K, p.V, dtype=f32, device=dev)
+    dh0 = torch.empty(p.N, p.H, p.K, p.V, dtype=f32, device=dev)
+    BV = c.tile("lh_bwd_dh")
+    _lh._lh_bwd_dh_kernel[(p.N, p.H, _cdiv(p.V, BV))](
+        p.q, p.k, p.v, p.g, p.beta, tinv, do, dstates, dht if dht is not None else dh0, dh0, p.spans, p.offs,
+        p.T, p.scale, V=p.V, BV=BV, HAS_DHT=dht is not None, **geom, **_kw(c.lh_bwd_dh))
+    dq, dk, dv, dg, db = (torch.empty_like(x) for x in (p.q, p.k, p.v, p.g, p.beta))
+    _lh._lh_bwd_grads_kernel[(p.NC, p.H)](
+        p.q, p.k, p.v, p.g, p.beta, tinv, do, states, dstates, dq, dk, dv, dg, db, p.spans, p.T, p.scale,
+        V=p.V, BV=c.tile("lh_bwd_grads"), **geom, **_kw(c.lh_bwd_grads))
+    return dq, dk, dv, dg, db, dh0
+
+
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
+    if p.cfg.large_head:
+        return run_lh_forward(p, initial_state)
     tinv = run_wy_inverse(p)  # saved for the backward
     mn = run_fwd_prep(p, tinv)
     # saved for the backward: chunk start states [NC, H, K, V], or on the split path every
@@ -412,10 +484,12 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
               dot_bf16=None):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
-    if states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.BC:
+    if states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.t_width:
         raise RuntimeError(
             "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
             "changed between the forward and the backward?)")
+    if p.cfg.large_head:
+        return run_lh_backward(p, tinv, states, do, dht)
     mr = run_bwd_prep(p, tinv, do)
     # split path: dstates has one slot per sub-chunk; the pass fills slot 0 of each chunk with
     # the chunk's end-state gradient, _bwd_dstate the sub-chunk end-state gradients
@@ -461,7 +535,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf1
         v.new_empty(B, T, H, V),
         q.new_empty(N, H, K, V, dtype=torch.float32),
         q.new_empty(NC * cfg.slots, H, K, V, dtype=torch.float32),
-        q.new_empty(B, T, H, cfg.BC, dtype=torch.float32),
+        q.new_empty(B, T, H, cfg.t_width, dtype=torch.float32),
     )
 
 

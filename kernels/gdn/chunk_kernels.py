@@ -24,6 +24,10 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   chunk's sub-chunks in reverse carrying only dS and saves each sub-chunk's end-state
   gradient, and ``_bwd_sub`` computes the input gradients with one program per sub-chunk.
 
+For K ≥ 64 there is a second path (``Config.large_head``, ``large_head_kernels.py``): whole
+64-token chunks, a sequential pass per value block and parallel gradient kernels, as fla does
+for large heads; built and checked on the CPU in the sixth session, not timed yet.
+
 Measured on an H200 (BENCHMARKS.md, sixth session): 2.0-3.4× faster than fla-core 0.6 fwd+bwd
 at K = V = 32 (1.4-2.1× by GPU time), well short of the 8× goal, and 1.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
 dependent dots, reductions and layout conversions at 1-2 warps per program, so the kernels
@@ -213,17 +217,11 @@ def _fwd_prep_kernel(
 
 
 @triton.jit
-def _state_pass_kernel(
-    ab, states, x0, xT, chunk_offsets, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    REVERSE: tl.constexpr, HAS_X0: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    SLOTS: tl.constexpr = 1,
-):
-    """The only sequential loop: X ← A_c X + B_c over the chunks of one sequence, with
-    ab[c] = [A_c | B_c] ([K, K + V]); stores X *before* each chunk into states[c·SLOTS].
-    Forward: [M | N], X = S, chunks in order. Backward: [Mᵀ | R], X = dS, reverse order.
-    SLOTS > 1 (the split backward): states has one slot per sub-chunk, [NC·SLOTS, H, K, V],
-    and the pass fills the first slot of each chunk; the other kernels fill the rest."""
+def _pass_tile(x0, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+               BV: tl.constexpr, HAS_X0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A (sequence, head, value block) program of a pass over chunks: its head, its sequence's
+    chunks [c0, c1), the state tile's indices and offset p_x in [N, H, K, V], and the tile
+    loaded from x0 (fp32) or zeros."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -242,6 +240,22 @@ def _state_pass_kernel(
         X = tl.load(x0 + p_x, mask=m_v[None, :], other=0.0).to(tl.float32)
     else:
         X = tl.zeros([K, BV], dtype=tl.float32)
+    return i_h, c0, c1, o_k, o_v, m_v, p_x, X
+
+
+@triton.jit
+def _state_pass_kernel(
+    ab, states, x0, xT, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    REVERSE: tl.constexpr, HAS_X0: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    SLOTS: tl.constexpr = 1,
+):
+    """The only sequential loop: X ← A_c X + B_c over the chunks of one sequence, with
+    ab[c] = [A_c | B_c] ([K, K + V]); stores X *before* each chunk into states[c·SLOTS].
+    Forward: [M | N], X = S, chunks in order. Backward: [Mᵀ | R], X = dS, reverse order.
+    SLOTS > 1 (the split backward): states has one slot per sub-chunk, [NC·SLOTS, H, K, V],
+    and the pass fills the first slot of each chunk; the other kernels fill the rest."""
+    i_h, c0, c1, o_k, o_v, m_v, p_x, X = _pass_tile(x0, chunk_offsets, T, H, K, V, BT, BV, HAS_X0, IS_VARLEN)
     for j in range(c1 - c0):
         if REVERSE:
             c = c1 - 1 - j

@@ -175,14 +175,41 @@ def test_without_state_arguments(bwd_path):
         # the WY inverse's products on three-pass tf32 (the interpreter runs them in fp32; the
         # GPU judges the precision: bench.py's collapsed-keys rows)
         Config(BT=64, BC=16, BZ=64, BV=32, BV_PASS=16, inverse_prec="tf32x3"),
+        # the large-head path: 64- and 32-token chunks, value blocks of 16 (the gradient kernel
+        # loops over them, the passes split them over programs)
+        Config(BT=64, BC=16, BV=16, large_head=True),
+        Config(BT=32, BC=16, BV=32, large_head=True, inverse_prec="tf32x3"),
     ],
-    ids=["split-V", "BT128-BC32", "BT256", "per-kernel-tiles", "inverse-tf32x3"],
+    ids=["split-V", "BT128-BC32", "BT256", "per-kernel-tiles", "inverse-tf32x3", "large-head-BT64",
+         "large-head-BT32"],
 )
 def test_tilings(cfg, tuning, bwd_path):
     tuning[(32, 32)] = dataclasses.replace(cfg, bwd_split=bwd_path)
     cu = torch.tensor([0, 61, 130], dtype=torch.int32, device=DEVICE)
     x = make_inputs(1, 130, 1, 32, 32, n_states=2, dtype=torch.float32)
     run_and_compare(x, cu_seqlens=cu, tol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("B, T, H, K, V, h0, l2norm", [
+    (1, 1, 1, 16, 16, True, False),
+    (2, 65, 2, 16, 32, True, True),
+    (1, 130, 1, 64, 64, False, False),
+], ids=str)
+def test_large_head_path(B, T, H, K, V, h0, l2norm, tuning):
+    """The large-head kernels (Config.large_head) against the float64 recurrence, K up to 64."""
+    tuning[(K, V)] = Config(BT=64, BC=16, BV=16, large_head=True)
+    x = make_inputs(B, T, H, K, V, n_states=B if h0 else 0, dtype=torch.float32)
+    run_and_compare(x, l2norm=l2norm, tol=TOL[torch.float32])
+
+
+def test_large_head_opcheck(tuning):
+    """The fake implementations know the large-head path's saved T (one chunk wide)."""
+    tuning[(16, 16)] = Config(BT=32, BC=16, BV=16, large_head=True)
+    x = make_inputs(1, 19, 1, 16, 16, n_states=1, dtype=torch.float32)
+    args = ([x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+            + [x["h0"].clone().requires_grad_(), None, 0.25, False])
+    torch.library.opcheck(torch.ops.hymo_kernels.gdn_chunk_fwd.default, args)
+    assert torch.ops.hymo_kernels.gdn_chunk_fwd(*args)[3].shape[-1] == 32
 
 
 def test_get_config_follows_table_edits(monkeypatch):
@@ -468,6 +495,20 @@ def test_gpu_parity(B, T, H, K, V, varlen, dtype, bwd_path):
     cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
     n = 4 if varlen else B
     x = make_inputs(B, T, H, K, V, n_states=n, dtype=dtype, device="cuda", normalize_k=False)
+    run_and_compare(x, cu_seqlens=cu, l2norm=True, tol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("B, T, H, K, V, varlen", [(1, 1500, 3, 32, 32, True), (2, 257, 2, 128, 128, False)],
+                         ids=lambda p: str(p))
+def test_gpu_large_head_parity(B, T, H, K, V, varlen, dtype, tuning):
+    """The large-head path (not in the table yet) on the GPU, with bf16 dots where the input is bf16."""
+    tuning[(K, V)] = Config(BT=64, BC=16, BV=32, large_head=True, dot_bf16=True, inverse_prec="tf32x3",
+                            lh_inverse=KernelCfg(8, 1), lh_fwd_h=KernelCfg(8, 2), lh_fwd_o=KernelCfg(8, 2),
+                            lh_bwd_dh=KernelCfg(8, 2), lh_bwd_grads=KernelCfg(8, 1))
+    cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
+    x = make_inputs(B, T, H, K, V, n_states=4 if varlen else B, dtype=dtype, device="cuda", normalize_k=False)
     run_and_compare(x, cu_seqlens=cu, l2norm=True, tol=TOL[dtype])
 
 

@@ -1,0 +1,276 @@
+"""Triton kernels of the large-head path (``Config.large_head``; meant for K ≥ 64).
+
+The chunk algebra of README.md ("Forward", "Backward") with the sub-chunk as large as the
+chunk (c = BT, 64 by default), split the way ``chunk_torch._chunk_rows_backward`` is split:
+
+- ``_lh_inverse``: T = (I + A)⁻¹ of every chunk ([B, T, H, BT] fp32, row by row beside the
+  tokens), by block forward substitution over its 16-token diagonal blocks:
+  T_i = T_ii (E_i − Σ_{m<i} A_im T_m), with T_ii from ``_unit_lower_inverse``.
+- ``_lh_fwd_h``: the sequential pass over a sequence's chunks, one K × BV tile per program
+  (W = T X, U = T Y, v_new = U − W S, S ← e^{γ_L} S + K̃ᵀ v_new); stores every chunk's start
+  state. No [M | N] chunk maps: they cost O(K²) per chunk, more than the chunk's tokens at
+  K = 128 (README, next step 5).
+- ``_lh_fwd_o``: o = Q̃ S + P v_new per chunk, in parallel.
+- ``_lh_bwd_dh``: the reverse pass; stores every chunk's end-state gradient dS'
+  (dv_new = Pᵀ dO + K̃ dS', dS ← Q̃ᵀ dO + e^{γ_L} dS' − Wᵀ dv_new) and returns dh0.
+- ``_lh_bwd_grads``: every chunk's input gradients from its S and dS' in parallel, looping
+  over the value blocks for the sums over V.
+
+Every dot has BT rows (64: warpgroup MMAs on Hopper) instead of the 16 of the default path.
+Not tuned or timed on a GPU yet (sixth session: CPU interpreter parity only).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunk_kernels import (_chunk_span, _dot, _gram, _l2norm_rows, _load_rows, _load_vec, _pass_tile,
+                            _unit_lower_inverse)
+
+
+@triton.jit
+def _lh_chunk(chunk_spans, i_c, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token, sequence end, the chunk's token rows and their mask."""
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    rows = t0 + tl.arange(0, BT)
+    return t0, eos, rows, rows < eos
+
+
+@triton.jit
+def _lh_decays(gb, BT: tl.constexpr):
+    """γ (in-chunk cumsum), γ_L, Γ ⊙ causal and Γ ⊙ strict (exp only of arguments ≤ 0)."""
+    o_t = tl.arange(0, BT)
+    gam = tl.cumsum(gb, axis=0)
+    gL = tl.sum(gb, 0)
+    incl = o_t[:, None] >= o_t[None, :]
+    lower = o_t[:, None] > o_t[None, :]
+    g_in = tl.where(incl, tl.exp(tl.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    return gam, gL, g_in, tl.where(lower, g_in, 0.0)
+
+
+@triton.jit
+def _lh_inverse_kernel(
+    k, g, beta, tinv, gcum, chunk_spans, T,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, TPREC: tl.constexpr, INV_PREC: tl.constexpr,
+):
+    """T = (I + A)⁻¹ of one chunk by 16-row blocks; gcum is scratch for the chunk's γ."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    o_t = tl.arange(0, BT)
+    off = tl.sum(tl.zeros([BC], dtype=tl.float32), 0)  # γ at the end of the previous blocks
+    for i in tl.static_range(BT // BC):
+        rows = t0 + i * BC + o_r
+        m_r = rows < eos
+        kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
+        gb = _load_vec(g, rows, m_r, i_h, H)
+        bb = _load_vec(beta, rows, m_r, i_h, H)
+        gam = tl.cumsum(gb, axis=0) + off
+        off = off + tl.sum(gb, 0)
+        tl.store(gcum + rows.to(tl.int64) * H + i_h, gam, mask=m_r)
+        _, _, _, A = _gram(kb, gb, bb, BC, TPREC)
+        Tii = _unit_lower_inverse(A, BC, LOG2_BC, INV_PREC)
+        R = tl.where(o_r[:, None] + i * BC == o_t[None, :], 1.0, 0.0)
+        tl.debug_barrier()  # the earlier blocks' rows of T and γ are in memory
+        for m in tl.static_range(i):
+            rows_m = t0 + m * BC + o_r
+            m_m = rows_m < eos
+            km, _ = _l2norm_rows(_load_rows(k, rows_m, m_m, i_h, H, K, o_k, o_k < K), NORM_QK)
+            gm = _load_vec(gcum, rows_m, m_m, i_h, H)
+            # rows of block i come after those of block m: every exponent is ≤ 0
+            Aim = _dot(kb, tl.trans(km), TPREC) * tl.exp(gam[:, None] - gm[None, :]) * bb[:, None]
+            Tm = _load_rows(tinv, rows_m, m_m, i_h, H, BT, o_t, o_t < BT)
+            R = R - _dot(Aim, Tm, INV_PREC)
+        Ti = _dot(Tii, R, INV_PREC)
+        p = (rows.to(tl.int64) * H + i_h)[:, None] * BT + o_t[None, :]
+        tl.store(tinv + p, Ti, mask=m_r[:, None])
+
+
+@triton.jit
+def _lh_load_chunk(q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   NORM_QK: tl.constexpr, TPREC: tl.constexpr):
+    """A chunk's inputs and the state-free tensors of its algebra (value columns o_v)."""
+    o_k = tl.arange(0, K)
+    o_t = tl.arange(0, BT)
+    kb, rk = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
+    qb, rq = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
+    vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+    gb = _load_vec(g, rows, m_r, i_h, H)
+    bb = _load_vec(beta, rows, m_r, i_h, H)
+    Tm = _load_rows(tinv, rows, m_r, i_h, H, BT, o_t, o_t < BT)
+    gam, gL, g_in, g_lo = _lh_decays(gb, BT)
+    eg = tl.exp(gam)
+    X = kb * (bb * eg)[:, None]
+    W = _dot(Tm, X, TPREC)
+    U = _dot(Tm, vb * bb[:, None], TPREC)
+    qs = qb * scale
+    Kt = kb * tl.exp(gL - gam)[:, None]
+    return kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt
+
+
+@triton.jit
+def _lh_fwd_h_kernel(
+    q, k, v, g, beta, tinv, states, x0, xT, chunk_spans, chunk_offsets, T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    HAS_X0: tl.constexpr, IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    TPREC: tl.constexpr,
+):
+    """The forward pass over one sequence's chunks (value columns i_v·BV …): stores each
+    chunk's start state, returns the final state."""
+    i_h, c0, c1, o_k, o_v, m_v, p_x, S = _pass_tile(x0, chunk_offsets, T, H, K, V, BT, BV, HAS_X0, IS_VARLEN)
+    for j in range(c1 - c0):
+        c = c0 + j
+        t0, eos, rows, m_r = _lh_chunk(chunk_spans, c.to(tl.int64), T, BT, IS_VARLEN)
+        p_s = ((c.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(states + p_s, S, mask=m_v[None, :])
+        kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
+            q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC)
+        vn = U - _dot(W, S, PREC)
+        S = tl.exp(gL) * S + _dot(tl.trans(Kt), vn, PREC)
+    tl.store(xT + p_x, S, mask=m_v[None, :])
+
+
+@triton.jit
+def _lh_fwd_o_kernel(
+    q, k, v, g, beta, tinv, states, o, chunk_spans, T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
+):
+    """o of one chunk (value columns i_v·BV …) from its start state."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    S = tl.load(states + ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+    kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
+        q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC)
+    vn = U - _dot(W, S, PREC)
+    P = _dot(qs, tl.trans(kb), PREC) * g_in
+    ob = _dot(qs * eg[:, None], S, PREC) + _dot(P, vn, PREC)
+    p_o = (rows.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
+    tl.store(o + p_o, ob.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _lh_bwd_dh_kernel(
+    q, k, v, g, beta, tinv, do, dstates, dht, dh0, chunk_spans, chunk_offsets, T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+    TPREC: tl.constexpr,
+):
+    """The reverse pass over one sequence's chunks (value columns i_v·BV …): stores each
+    chunk's end-state gradient dS', returns the gradient of the initial state."""
+    i_h, c0, c1, o_k, o_v, m_v, p_x, dS = _pass_tile(dht, chunk_offsets, T, H, K, V, BT, BV, HAS_DHT, IS_VARLEN)
+    for j in range(c1 - c0):
+        c = c1 - 1 - j
+        t0, eos, rows, m_r = _lh_chunk(chunk_spans, c.to(tl.int64), T, BT, IS_VARLEN)
+        p_s = ((c.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(dstates + p_s, dS, mask=m_v[None, :])
+        kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
+            q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC)
+        dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
+        P = _dot(qs, tl.trans(kb), PREC) * g_in
+        dvn = _dot(tl.trans(P), dob, PREC) + _dot(Kt, dS, PREC)
+        dS = (_dot(tl.trans(qs * eg[:, None]), dob, PREC) + tl.exp(gL) * dS
+              - _dot(tl.trans(W), dvn, PREC))
+    tl.store(dh0 + p_x, dS, mask=m_v[None, :])
+
+
+@triton.jit
+def _lh_bwd_grads_kernel(
+    q, k, v, g, beta, tinv, do, states, dstates, dq, dk, dv, dg, db, chunk_spans, T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
+):
+    """dq, dk, dv, dg, dβ of one chunk from its start state S and end-state gradient dS'
+    (README, Backward, with c = BT); the sums over V run over the value blocks in a loop.
+    dX and dK̃ enter the results only through diag(βa) dX + diag(d) dK̃ and three row sums,
+    so the loop keeps those instead of both BT × K sums (registers: README, large-head path)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_k = tl.arange(0, K)
+    m_k = o_k < K
+    o_t = tl.arange(0, BT)
+    o_v0 = tl.arange(0, BV)
+    kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
+        q, k, v, g, beta, tinv, rows, m_r, i_h, o_v0, o_v0 < V, scale, H, K, V, BT, NORM_QK, TPREC)
+    Pt = tl.trans(_dot(qs, tl.trans(kb), PREC) * g_in)
+    ed = tl.exp(gL - gam)
+    be = bb * eg
+    dQt = tl.zeros([BT, K], dtype=tl.float32)
+    dKX = tl.zeros([BT, K], dtype=tl.float32)  # Σ diag(d) dK̃ + diag(βa) dX
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    dbb = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dY_r, v_r⟩
+    xk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dX_r, k_r⟩
+    tk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dK̃_r, k_r⟩
+    dgL = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)  # Σ ⟨dS', S⟩
+    p_c = (i_c * H + i_h) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + o_v0
+        m_v = o_v < V
+        p_s = p_c + o_k[:, None] * V + o_v[None, :]
+        S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
+        dS = tl.load(dstates + p_s, mask=m_v[None, :], other=0.0)
+        vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+        dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
+        vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
+        dvn = _dot(Pt, dob, PREC) + _dot(Kt, dS, PREC)
+        dY = _dot(tl.trans(Tm), dvn, TPREC)
+        dXj = -_dot(dY, tl.trans(S), PREC)
+        dKtj = _dot(vn, tl.trans(dS), PREC)
+        dQt += _dot(dob, tl.trans(S), PREC)
+        dP += _dot(dob, tl.trans(vn), PREC)
+        dA -= _dot(dY, tl.trans(vn), PREC)
+        dKX += dKtj * ed[:, None] + dXj * be[:, None]
+        xk += tl.sum(dXj * kb, 1)
+        tk += tl.sum(dKtj * kb, 1)
+        dbb += tl.sum(dY * vb, 1)
+        dgL += tl.sum(tl.sum(dS * S, 1), 0)
+        p_v = (rows.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
+        tl.store(dv + p_v, (dY * bb[:, None]).to(dv.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+    dP = tl.where(o_t[:, None] >= o_t[None, :], dP, 0.0)
+    dA = tl.where(o_t[:, None] > o_t[None, :], dA, 0.0)
+    # gradients of the inputs (as _sub_chunk_grads, with ⟨dK̃_r, K̃_r⟩ = d_r ⟨dK̃_r, k_r⟩ and
+    # ⟨dX_r, X_r⟩ = β_r a_r ⟨dX_r, k_r⟩). Γ and P again rather than kept through the loop:
+    # BT × BT fp32 tiles are 32 registers per thread each at 4 warps
+    _, _, g_in, g_lo = _lh_decays(_load_vec(g, rows, m_r, i_h, H), BT)
+    P = _dot(qs, tl.trans(kb), PREC) * g_in
+    Bkk = _dot(kb, tl.trans(kb), PREC) * g_lo
+    dPG = dP * g_in
+    Gk = dA * g_lo * bb[:, None]
+    E = dP * P + dA * (Bkk * bb[:, None])
+    Fk = ed * tk
+    dgam = tl.sum(dQt * (qs * eg[:, None]), 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + be * xk
+    dgL = tl.exp(gL) * dgL + tl.sum(Fk, 0)
+    dgb = tl.sum(dgam, 0) - tl.cumsum(dgam, axis=0) + dgam + dgL
+    dbb = dbb + eg * xk + tl.sum(dA * Bkk, 1)
+    r64 = rows.to(tl.int64)
+    tl.store(dg + r64 * H + i_h, dgb.to(dg.dtype.element_ty), mask=m_r)
+    tl.store(db + r64 * H + i_h, dbb.to(db.dtype.element_ty), mask=m_r)
+    # dq before dk, so that the two BT × K results are not live together
+    p_qk = (r64 * H + i_h)[:, None] * K + o_k[None, :]
+    m_rk = m_r[:, None] & m_k[None, :]
+    dqb = (dQt * eg[:, None] + _dot(dPG, kb, PREC)) * scale
+    if NORM_QK:
+        dqb = rq[:, None] * (dqb - qb * tl.sum(qb * dqb, 1)[:, None])
+    tl.store(dq + p_qk, dqb.to(dq.dtype.element_ty), mask=m_rk)
+    dkb = _dot(tl.trans(dPG), qs, PREC) + dKX + _dot(Gk, kb, PREC) + _dot(tl.trans(Gk), kb, PREC)
+    if NORM_QK:
+        dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])
+    tl.store(dk + p_qk, dkb.to(dk.dtype.element_ty), mask=m_rk)
