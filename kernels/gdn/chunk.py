@@ -97,6 +97,12 @@ class Config:
     lh_bwd_dh: KernelCfg = KernelCfg(4, 2)
     lh_bwd_grads: KernelCfg = KernelCfg(4, 1)
 
+    def __post_init__(self):
+        # the large-head kernels hold BT × BT tiles (T, P, their gradients) in registers
+        if self.large_head and not (self.BC <= self.BT <= 128):
+            raise ValueError(f"large_head needs BC <= BT <= 128 (BT × BT tiles), got BT = {self.BT}; "
+                             "set BT (and BT_FEW in a TABLE entry) to 64")
+
     def tile(self, kernel: str) -> int:
         """The column tile that `kernel` runs with (0 for the inverse kernel, which has none)."""
         shared = {"fwd_prep": self.BZ, "bwd_prep": self.BZ, "fwd_out": self.BV, "bwd_local": self.BV,

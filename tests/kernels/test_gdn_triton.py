@@ -203,6 +203,16 @@ def test_large_head_path(B, T, H, K, V, h0, l2norm, tuning):
     run_and_compare(x, l2norm=l2norm, tol=TOL[torch.float32])
 
 
+def test_large_head_rejects_long_chunks(monkeypatch):
+    with pytest.raises(ValueError, match="large_head needs BC <= BT <= 128"):
+        Config(BT=256, large_head=True)
+    # a TABLE entry that turns the path on with its few-sequences chunk of 256 fails the same way
+    monkeypatch.setitem(gdn_chunk.TABLE, (128, 128), dict(gdn_chunk.TABLE[(128, 128)], large_head=True))
+    with pytest.raises(ValueError, match="set BT"):
+        gdn_chunk.get_config(128, 128, 64)
+    assert gdn_chunk.get_config(128, 128, 256).large_head  # BT = 64 there
+
+
 def test_large_head_opcheck(tuning):
     """The fake implementations know the large-head path's saved T (one chunk wide)."""
     tuning[(16, 16)] = Config(BT=32, BC=16, BV=16, large_head=True)
