@@ -565,7 +565,7 @@ class Precompiler:
 
 def config_from_dict(d):
     d = dict(d)
-    for n in gdn_chunk.KERNELS:
+    for n in gdn_chunk.KERNELS + gdn_chunk.KERNELS_LARGE:
         if n in d and isinstance(d[n], dict):
             d[n] = KernelCfg(**d[n])
     return Config(**d)

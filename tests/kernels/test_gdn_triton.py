@@ -213,6 +213,12 @@ def test_large_head_rejects_long_chunks(monkeypatch):
     assert gdn_chunk.get_config(128, 128, 256).large_head  # BT = 64 there
 
 
+def test_bench_config_round_trip():
+    """bench.py's JSON / worker round trip keeps every kernel's launch, the large-head ones too."""
+    cfg = Config(BT=64, BV=32, large_head=True, lh_fwd_h=KernelCfg(8, 2, 32), bwd_local=KernelCfg(2, 3, 16))
+    assert bench.config_from_dict(dataclasses.asdict(cfg)) == cfg
+
+
 def test_large_head_opcheck(tuning):
     """The fake implementations know the large-head path's saved T (one chunk wide)."""
     tuning[(16, 16)] = Config(BT=32, BC=16, BV=16, large_head=True)
