@@ -391,7 +391,8 @@ TUNE_SHAPES = [(4, 4096, 16, 128, 128), (4, 4096, 40, 32, 32), (1, 32768, 40, 32
 # KERNEL_NOTES.md): printed beside ours when fla is not timed live in the same run
 FLA_NOTES_MS = {(4, 4096, 40, 32, 32): 2.922, (1, 32768, 40, 32, 32): 4.327, (8, 4096, 40, 32, 32): 4.054,
                 (4, 4096, 16, 128, 128): 3.16}
-_TILED = {"fwd_prep", "bwd_prep", "fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "state_pass"}
+_TILED = {"fwd_prep", "bwd_prep", "fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "state_pass",
+          "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads"}
 
 
 class Deadline:
@@ -418,7 +419,7 @@ def tile_choices(kname, K, V):
     """Legal column tiles of a kernel (≥ 16: tl.dot needs it)."""
     if kname in ("fwd_prep", "bwd_prep"):
         return _pow2s(32, min(128, gdn_chunk.triton_next_pow2(K + V)))
-    if kname in ("fwd_out", "bwd_local", "bwd_dstate", "bwd_sub"):
+    if kname in ("fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads"):
         return _pow2s(max(16, V // 4), V)
     if kname == "state_pass":
         return _pow2s(16, min(64, V))
@@ -446,7 +447,7 @@ class Case:
         self.do = torch.randn_like(x["v"])
         self.p = gdn_chunk.make_problem(x["q"], x["k"], x["v"], x["g"], x["beta"], None, K**-0.5, True, cfg)
         p, z = self.p, dict(dtype=torch.float32, device=DEVICE)
-        self.tinv = torch.zeros(B, T, H, cfg.BC, **z)
+        self.tinv = torch.zeros(B, T, H, cfg.t_width, **z)
         self.mn = torch.zeros(p.NC, H, K, K + V, **z)
         self.mr = torch.zeros(p.NC, H, K, K + V, **z)
         self.states = torch.zeros(p.NC, H, K, V, **z)
@@ -470,6 +471,11 @@ class Case:
             "bwd_local": lambda: c.run_bwd_local(p, self.tinv, self.do, self.states, self.dstates),
             "bwd_dstate": lambda: c.run_bwd_dstate(p, self.tinv, self.do, self.dsub),
             "bwd_sub": lambda: c.run_bwd_sub(p, self.tinv, self.do, self.sub_states, self.dsub),
+            "lh_inverse": lambda: c.run_lh_inverse(p),
+            "lh_fwd_h": lambda: c.run_lh_fwd_h(p, self.tinv, None),
+            "lh_fwd_o": lambda: c.run_lh_fwd_o(p, self.tinv, self.states),
+            "lh_bwd_dh": lambda: c.run_lh_bwd_dh(p, self.tinv, self.do, None),
+            "lh_bwd_grads": lambda: c.run_lh_bwd_grads(p, self.tinv, self.do, self.states, self.dstates),
         }[kname]
 
 
@@ -596,7 +602,8 @@ def kernel_variants(kname, cfg, K, V, warps, stages):
     counts at round A's winner (the inverse kernel has no loop, so no stages for it)."""
     tiles = tile_choices(kname, K, V) if kname in _TILED else [0]
     a = [getattr(cfg, kname)] + [KernelCfg(w, 1, t) for w in warps for t in tiles]
-    b = [] if kname == "wy_inverse" or not [s for s in stages if s != 1] else [1] + [s for s in stages if s != 1]
+    b = ([] if kname in ("wy_inverse", "lh_inverse") or not [s for s in stages if s != 1]
+         else [1] + [s for s in stages if s != 1])
     return a, b
 
 
@@ -621,12 +628,14 @@ def fwdbwd_ms(impl, shape, rep=100):
 def table_entry(cfg, K, V, NH):
     """The chunk.TABLE entry (Python source) for a tuned config at NH = sequences × heads: its BT
     is BT_FEW when NH < 128; the other chunk size stays the table's current one."""
-    if NH >= 128:
+    if cfg.large_head:  # the table's other chunk size is its own path's (up to 256)
+        bt = bt_few = cfg.BT
+    elif NH >= 128:
         bt, bt_few = cfg.BT, gdn_chunk.get_config(K, V, 1).BT
     else:
         bt, bt_few = gdn_chunk.get_config(K, V, 256).BT, cfg.BT
-    ks = []
-    for n in gdn_chunk.KERNELS:
+    ks = [] if not cfg.large_head else ["large_head=True"]
+    for n in gdn_chunk.KERNELS + (gdn_chunk.KERNELS_LARGE if cfg.large_head else ()):
         kc = getattr(cfg, n)
         ks.append(f"{n}=({kc.num_warps}, {kc.num_stages}" + (f", {cfg.tile(n)})" if n in _TILED else ")"))
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
@@ -638,22 +647,27 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     B, T, H, K, V = shape
     rec = out["shapes"].setdefault(",".join(map(str, shape)), {})
     base = gdn_chunk.get_config(K, V, B * H)
+    if args.large_head:  # the large-head path's kernels from the table's other settings, BT ≤ 128
+        base = dataclasses.replace(base, large_head=True, BT=min(base.BT, 64))
+    # the kernels tuned: every kernel of the table's path (both backward paths), or the large-head path's
+    kernels = gdn_chunk.KERNELS_LARGE if base.large_head else gdn_chunk.KERNELS
     rec["default"] = dataclasses.asdict(base)
     log(f"  default: {base}")
     warps = [int(w) for w in args.warps.split(",")]
     stages = [int(s) for s in args.stages.split(",")]
-    bts = [bt for bt in (int(b) for b in args.bts.split(",")) if bt % base.BC == 0]
+    bts = [bt for bt in (int(b) for b in args.bts.split(","))
+           if bt % base.BC == 0 and (bt <= 128 or not base.large_head)]
 
     # 0. precompile, in parallel: every kernel at every BT (the default BT first), the fp32
     # kernels for the parity check, then whole fwd+bwd calls (these also reach the state-pass
     # variants with initial/final state that parity() uses); a worker runs a job's kernels in
     # series, so the kernels go first as separate jobs
     dtypes = [torch.bfloat16] + ([] if args.no_parity else [torch.float32])
-    jobs = [(shape, d, base, k) for d in dtypes for k in gdn_chunk.KERNELS]
-    jobs += [(shape, torch.bfloat16, dataclasses.replace(base, BT=bt), k) for bt in bts for k in gdn_chunk.KERNELS]
+    jobs = [(shape, d, base, k) for d in dtypes for k in kernels]
+    jobs += [(shape, torch.bfloat16, dataclasses.replace(base, BT=bt), k) for bt in bts for k in kernels]
     jobs += [(shape, d, base, "e2e") for d in dtypes]
-    other = dataclasses.replace(base, bwd_split=not base.bwd_split)  # the other backward path, timed at the end
-    jobs += [(shape, torch.bfloat16, other, "e2e")]
+    if not base.large_head:  # the other backward path, timed at the end
+        jobs += [(shape, torch.bfloat16, dataclasses.replace(base, bwd_split=not base.bwd_split), "e2e")]
     if not pre.run(jobs, deadline, "defaults, all BT"):
         return False
 
@@ -672,12 +686,13 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     for bt in bts:
         cfg = dataclasses.replace(base, BT=bt)
         case = Case(shape, torch.bfloat16, cfg)
-        per = {k: time_kernel(case, k, cfg) for k in gdn_chunk.KERNELS}
+        per = {k: time_kernel(case, k, cfg) for k in kernels}
         # the BT choice counts the kernels of the default's backward path
         bt_ms[bt] = sum(per[k] for k in base.kernels())
-        alt = sum(per[k] for k in dataclasses.replace(base, bwd_split=not base.bwd_split).kernels())
-        log(f"  BT={bt:3d}: sum {bt_ms[bt]:.3f} ms ({'split' if base.bwd_split else 'local'} path; other path "
-            f"{alt:.3f})  " + " ".join(f"{k}={v:.3f}" for k, v in per.items()))
+        path = "large-head" if base.large_head else f"{'split' if base.bwd_split else 'local'}"
+        if not base.large_head:
+            path += f" path; other path {sum(per[k] for k in dataclasses.replace(base, bwd_split=not base.bwd_split).kernels()):.3f}"
+        log(f"  BT={bt:3d}: sum {bt_ms[bt]:.3f} ms ({path})  " + " ".join(f"{k}={v:.3f}" for k, v in per.items()))
         del case
     best_bt = min(bt_ms, key=bt_ms.get)
     rec["bt_sum_ms"] = bt_ms
@@ -688,7 +703,7 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
 
     # 3. per kernel, round A (warps × tile, 1 stage) then round B (stages at A's winner)
     case = Case(shape, torch.bfloat16, cfg)
-    variants = {k: kernel_variants(k, cfg, K, V, warps, stages) for k in gdn_chunk.KERNELS}
+    variants = {k: kernel_variants(k, cfg, K, V, warps, stages) for k in kernels}
     rec["kernels"] = {}
     for rnd in (0, 1):
         jobs = []
@@ -700,7 +715,7 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
             continue
         if not pre.run(jobs, deadline, f"round {'AB'[rnd]}"):
             return False
-        for k in gdn_chunk.KERNELS:
+        for k in kernels:
             cands = [j[2] for j in jobs if j[3] == k]
             if not cands:
                 continue
@@ -751,7 +766,7 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
         f"  (t = {deadline.elapsed():.0f}s)")
     # the tuned launches with the other backward path (parity: run the benchmark with --variants)
     flipped = dataclasses.replace(tuned, bwd_split=not tuned.bwd_split)
-    if deadline.left() > 20 and pre.run([(shape, torch.bfloat16, flipped, "e2e")], deadline, "other path e2e"):
+    if not tuned.large_head and deadline.left() > 20 and pre.run([(shape, torch.bfloat16, flipped, "e2e")], deadline, "other path e2e"):
         with variant(shape, flipped):
             t_flip = fwdbwd_ms(ours, shape)
         rec["fwdbwd_ms"]["tuned_other_path"] = t_flip
@@ -845,6 +860,9 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true",
                     help="GPU launch tuning, kernel by kernel (warps, stages, tiles, BT); prints chunk.TABLE entries")
     ap.add_argument("--budget-s", type=float, default=270.0, help="--tune: wall-clock budget in seconds")
+    ap.add_argument("--large-head", action="store_true",
+                    help="--tune: tune the large-head path's kernels (Config.large_head, BT <= 128) instead of the "
+                         "table's path; the end-to-end comparison is then against the table's default")
     ap.add_argument("--jobs", type=int, default=None,
                     help="--tune: processes precompiling the variants in parallel (0: none; default cores - 2, <= 12)")
     ap.add_argument("--warps", default="1,2,4,8", help="--tune: num_warps choices")

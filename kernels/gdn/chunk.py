@@ -133,7 +133,7 @@ class Config:
 KERNELS_LOCAL = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_local")
 KERNELS_SPLIT = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_dstate", "bwd_sub")
 KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
-# the large-head path's (not in KERNELS: `bench.py --tune` does not tune them yet)
+# the large-head path's (`bench.py --tune --large-head` tunes these instead of KERNELS)
 KERNELS_LARGE = ("lh_inverse", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads")
 
 # Launch table by (K, V) class: the first entry (in key order) with K ≤ Kc and V ≤ Vc applies.
@@ -433,51 +433,65 @@ def _lh_geom(p: Problem) -> dict:
     return g
 
 
-def run_lh_forward(p: Problem, h0):
-    """Large-head path: (o, final state, chunk start states, T = (I + A)⁻¹ per chunk)."""
-    c, dev, f32 = p.cfg, p.q.device, torch.float32
-    tinv = torch.empty(p.B, p.T, p.H, c.BT, dtype=f32, device=dev)
-    gcum = torch.empty(p.B, p.T, p.H, dtype=f32, device=dev)
+def run_lh_inverse(p: Problem) -> torch.Tensor:
+    """Large-head path: T = (I + A)⁻¹ of every chunk, row by row beside its tokens ([B, T, H, BT] fp32)."""
+    c, f32 = p.cfg, torch.float32
+    tinv = torch.empty(p.B, p.T, p.H, c.BT, dtype=f32, device=p.q.device)
+    gcum = torch.empty(p.B, p.T, p.H, dtype=f32, device=p.q.device)  # scratch: the chunks' γ
     geom = _lh_geom(p)
     _lh._lh_inverse_kernel[(p.NC, p.H)](
         p.k, p.g, p.beta, tinv, gcum, p.spans, p.T, BC=c.BC, LOG2_BC=int(math.log2(c.BC)),
         INV_PREC=c.inverse_prec, **{n: geom[n] for n in ("H", "K", "BT", "IS_VARLEN", "NORM_QK", "TPREC")},
         **_kw(c.lh_inverse))
-    states = torch.empty(p.NC, p.H, p.K, p.V, dtype=f32, device=dev)
-    final = torch.empty(p.N, p.H, p.K, p.V, dtype=f32, device=dev)
-    BV = c.tile("lh_fwd_h")
+    return tinv
+
+
+def run_lh_fwd_h(p: Problem, tinv, h0):
+    """Large-head path, the forward pass: (chunk start states [NC, H, K, V], final states [N, H, K, V])."""
+    states = torch.empty(p.NC, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    final = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    BV = p.cfg.tile("lh_fwd_h")
     _lh._lh_fwd_h_kernel[(p.N, p.H, _cdiv(p.V, BV))](
         p.q, p.k, p.v, p.g, p.beta, tinv, states, h0 if h0 is not None else final, final, p.spans, p.offs, p.T,
-        p.scale, V=p.V, BV=BV, HAS_X0=h0 is not None, **geom, **_kw(c.lh_fwd_h))
-    o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=dev)
-    BV = c.tile("lh_fwd_o")
+        p.scale, V=p.V, BV=BV, HAS_X0=h0 is not None, **_lh_geom(p), **_kw(p.cfg.lh_fwd_h))
+    return states, final
+
+
+def run_lh_fwd_o(p: Problem, tinv, states) -> torch.Tensor:
+    o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=p.q.device)
+    BV = p.cfg.tile("lh_fwd_o")
     _lh._lh_fwd_o_kernel[(p.NC, p.H, _cdiv(p.V, BV))](
-        p.q, p.k, p.v, p.g, p.beta, tinv, states, o, p.spans, p.T, p.scale, V=p.V, BV=BV, **geom,
-        **_kw(c.lh_fwd_o))
-    return o, final, states, tinv
+        p.q, p.k, p.v, p.g, p.beta, tinv, states, o, p.spans, p.T, p.scale, V=p.V, BV=BV, **_lh_geom(p),
+        **_kw(p.cfg.lh_fwd_o))
+    return o
 
 
-def run_lh_backward(p: Problem, tinv, states, do, dht):
-    """Large-head path: (dq, dk, dv, dg, dβ, dh0)."""
-    c, dev, f32 = p.cfg, p.q.device, torch.float32
-    geom = _lh_geom(p)
-    dstates = torch.empty(p.NC, p.H, p.K, p.V, dtype=f32, device=dev)
-    dh0 = torch.empty(p.N, p.H, p.K, p.V, dtype=f32, device=dev)
-    BV = c.tile("lh_bwd_dh")
+def run_lh_bwd_dh(p: Problem, tinv, do, dht):
+    """Large-head path, the reverse pass: (chunk end-state gradients [NC, H, K, V], dh0 [N, H, K, V])."""
+    dstates = torch.empty(p.NC, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    dh0 = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    BV = p.cfg.tile("lh_bwd_dh")
     _lh._lh_bwd_dh_kernel[(p.N, p.H, _cdiv(p.V, BV))](
         p.q, p.k, p.v, p.g, p.beta, tinv, do, dstates, dht if dht is not None else dh0, dh0, p.spans, p.offs,
-        p.T, p.scale, V=p.V, BV=BV, HAS_DHT=dht is not None, **geom, **_kw(c.lh_bwd_dh))
+        p.T, p.scale, V=p.V, BV=BV, HAS_DHT=dht is not None, **_lh_geom(p), **_kw(p.cfg.lh_bwd_dh))
+    return dstates, dh0
+
+
+def run_lh_bwd_grads(p: Problem, tinv, do, states, dstates):
+    """Large-head path: (dq, dk, dv, dg, dβ) from each chunk's start state and end-state gradient."""
     dq, dk, dv, dg, db = (torch.empty_like(x) for x in (p.q, p.k, p.v, p.g, p.beta))
     _lh._lh_bwd_grads_kernel[(p.NC, p.H)](
         p.q, p.k, p.v, p.g, p.beta, tinv, do, states, dstates, dq, dk, dv, dg, db, p.spans, p.T, p.scale,
-        V=p.V, BV=c.tile("lh_bwd_grads"), **geom, **_kw(c.lh_bwd_grads))
-    return dq, dk, dv, dg, db, dh0
+        V=p.V, BV=p.cfg.tile("lh_bwd_grads"), **_lh_geom(p), **_kw(p.cfg.lh_bwd_grads))
+    return dq, dk, dv, dg, db
 
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
     if p.cfg.large_head:
-        return run_lh_forward(p, initial_state)
+        tinv = run_lh_inverse(p)
+        states, final_state = run_lh_fwd_h(p, tinv, initial_state)
+        return run_lh_fwd_o(p, tinv, states), final_state, states, tinv
     tinv = run_wy_inverse(p)  # saved for the backward
     mn = run_fwd_prep(p, tinv)
     # saved for the backward: chunk start states [NC, H, K, V], or on the split path every
@@ -495,7 +509,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht
             "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
             "changed between the forward and the backward?)")
     if p.cfg.large_head:
-        return run_lh_backward(p, tinv, states, do, dht)
+        dstates, dh0 = run_lh_bwd_dh(p, tinv, do, dht)
+        return (*run_lh_bwd_grads(p, tinv, do, states, dstates), dh0)
     mr = run_bwd_prep(p, tinv, do)
     # split path: dstates has one slot per sub-chunk; the pass fills slot 0 of each chunk with
     # the chunk's end-state gradient, _bwd_dstate the sub-chunk end-state gradients

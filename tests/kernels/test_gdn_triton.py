@@ -310,6 +310,31 @@ def test_bench_tune_smoke(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
+def test_bench_tune_large_head_smoke(tmp_path):
+    """bench.py --tune --large-head tunes the large-head kernels and prints an entry that turns it on."""
+    import json
+
+    from hymo_kernels.gdn import bench
+
+    out = tmp_path / "tune.json"
+    try:
+        bench.main(["--smoke", "--tune", "--large-head", "--shapes", "1,40,1,16,16", "--warps", "1",
+                    "--stages", "1,2", "--bts", "32,64,256", "--no-fla", "--jobs", "0", "--json", str(out)])
+    finally:
+        bench.DEVICE = "cuda"
+    rec = json.loads(out.read_text())["shapes"]["1,40,1,16,16"]
+    assert all(r["ok"] for r in rec["parity_default"] + rec["parity_tuned"] if "float32" in r["dtype"])
+    assert set(rec["kernels"]) == set(gdn_chunk.KERNELS_LARGE)
+    assert set(rec["bt_sum_ms"]) == {"32", "64"}  # 256-token chunks are not offered to this path
+    entry = rec["table_entry"]
+    assert "large_head=True" in entry and "lh_bwd_grads=(" in entry
+    tuned_bt = rec["tuned"]["BT"]
+    for nh in (1, 256):  # both chunk sizes of the entry are the tuned one
+        cfg = gdn_chunk.config_from_entry(16, 16, nh, eval(entry.split(": ", 1)[1].rstrip(",")))
+        assert cfg.large_head and cfg.BT == tuned_bt
+
+
+@pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
 def test_bench_smoke_and_failed_parity_exit(tmp_path, monkeypatch):
     """bench.py's timing run on a tiny shape writes its JSON; a failed parity ends it with a
     non-zero exit naming the shape, not a table that merely says FAILED."""
