@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GDN kernel's GPU checks in one call: the GPU-marked kernel tests, then the benchmark with
+# the launch-table variants to compare (and the host probe with HOST_PROBE=1); a short table last.
+#
+# For a machine with the repository copy but no HyMo install and no network (carry .whl/,
+# data/brown/, assets/tokenizer/ as for scripts/gpu_smoke.sh), e.g. the device tool:
+#   command "bash scripts/gpu_gdn_check.sh"  (results under $OUT when set, else outputs/gpu_gdn_check)
+# Environment: VARIANTS (bench.py --variants, default "default,large_head,large_head_w8"), SHAPES
+# (default: HyMo's and the K = 128 issue shape), BENCH_S (the benchmark's time limit, default 240 s;
+# it writes its JSON after every shape, so a cut run keeps what it measured). The tests take ~4
+# minutes: the whole script fits a 10-minute device call with these defaults.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SITE=${SITE:-/tmp/site}
+RESULTS=${OUT:-outputs/gpu_gdn_check}
+VARIANTS=${VARIANTS:-default,large_head,large_head_w8}
+SHAPES=${SHAPES:-4,4096,40,32,32 4,4096,16,128,128}
+BENCH_S=${BENCH_S:-240}
+mkdir -p "${RESULTS}"
+
+NAME=gpu_gdn_check . scripts/gpu_env.sh
+
+nvidia-smi --query-gpu=name,memory.used,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+
+timeout -k 5 300 python3 -m pytest -q -m gpu tests/kernels/test_gdn_triton.py -p no:cacheprovider -W ignore \
+    > "${RESULTS}/gpu_tests.log" 2>&1
+echo "gpu tests: exit $? ($(grep -E 'passed|failed|skipped|error' "${RESULTS}/gpu_tests.log" | tail -1))"
+
+# shellcheck disable=SC2086  # SHAPES is a list
+timeout -k 5 "${BENCH_S}" python3 -m hymo_kernels.gdn.bench --no-eager --fast-ref --variants "${VARIANTS}" \
+    --shapes ${SHAPES} --json "${RESULTS}/bench.json" > "${RESULTS}/bench.log" 2>&1
+echo "bench: exit $?"
+
+if [ "${HOST_PROBE:-0}" = 1 ]; then
+    timeout -k 5 60 python3 -m hymo_kernels.gdn.host_probe 2>&1 | grep -v -i warn | tee "${RESULTS}/host_probe.log"
+fi
+
+grep -E "PASS|FAIL" "${RESULTS}/bench.log" | grep -v informational | head -24
+grep -E "kernel +[0-9.]+ ms" "${RESULTS}/bench.log" | head -40
+sed -n '/^# summary/,$p' "${RESULTS}/bench.log"
