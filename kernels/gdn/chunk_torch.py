@@ -160,6 +160,10 @@ def _chunk_rows(q, k, v, g, beta, scale, h0, C):
     return ch.rows(torch.stack(outs, dim=2)), s, torch.stack(starts, dim=2), ch
 
 
+def _transpose(x):
+    return x.transpose(-1, -2)
+
+
 def _chunk_rows_backward(ch: _Chunks, scale, starts, do, dht):
     """Hand-written backward of _chunk_rows (README, "Backward", with the sub-chunk c = C):
     gradients of q, k, v, g, beta and the initial state from those of o and the final state.
@@ -180,7 +184,7 @@ def _chunk_rows_backward(ch: _Chunks, scale, starts, do, dht):
               - ch.w[:, :, c].transpose(-1, -2) @ dvn)
     dh0 = ds
     # every chunk in parallel
-    mT = lambda x: x.transpose(-1, -2)  # noqa: E731
+    mT = _transpose
     dvn = mT(ch.p) @ do + ch.k_to_end @ ds_end
     dy = mT(ch.t_inv) @ dvn  # dU = dv_new, U = T Y
     dx = -dy @ mT(s)  # dW = −dv_new Sᵀ, W = T X
