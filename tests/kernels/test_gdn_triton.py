@@ -469,8 +469,11 @@ def test_opcheck(bwd_path):
     torch.library.opcheck(torch.ops.hymo_kernels.gdn_chunk_fwd.default, args)
 
 
-def test_compile_fullgraph_matches_eager(bwd_path):
+@pytest.mark.parametrize("large_head", [False, True], ids=["table-path", "large-head"])
+def test_compile_fullgraph_matches_eager(bwd_path, large_head, tuning):
     """torch.compile(fullgraph=True) traces through the custom ops (no graph break)."""
+    if large_head:
+        tuning[(16, 16)] = Config(BT=32, BC=16, BV=16, large_head=True)
     x = make_inputs(1, 33, 2, 16, 16, n_states=1, dtype=torch.float32)
 
     def f(q, k, v, g, beta, h0):
