@@ -193,6 +193,10 @@ VARIANTS = {
     "large_head": dict(large_head=True, BT=64),
     "large_head_w8": dict(large_head=True, BT=64, BV=32, lh_inverse=KernelCfg(8, 1), lh_fwd_h=KernelCfg(8, 2),
                           lh_fwd_o=KernelCfg(8, 2), lh_bwd_dh=KernelCfg(8, 2), lh_bwd_grads=KernelCfg(8, 1)),
+    # and with W, U from a parallel kernel instead of two dots per chunk in the passes
+    "large_head_wu": dict(large_head=True, BT=64, BV=32, lh_wu=True, lh_inverse=KernelCfg(8, 1),
+                          lh_fwd_h=KernelCfg(8, 2), lh_fwd_o=KernelCfg(8, 2), lh_bwd_dh=KernelCfg(8, 2),
+                          lh_bwd_grads=KernelCfg(8, 1), lh_wu_kernel=KernelCfg(8, 1)),
     "pre_retune32": dict(bwd_prep=KernelCfg(1, 2, 64), bwd_local=KernelCfg(2, 2, 32), bwd_dstate=KernelCfg(1, 2, 32),
                          bwd_sub=KernelCfg(2, 1, 32)),
 }
@@ -392,7 +396,7 @@ TUNE_SHAPES = [(4, 4096, 16, 128, 128), (4, 4096, 40, 32, 32), (1, 32768, 40, 32
 FLA_NOTES_MS = {(4, 4096, 40, 32, 32): 2.922, (1, 32768, 40, 32, 32): 4.327, (8, 4096, 40, 32, 32): 4.054,
                 (4, 4096, 16, 128, 128): 3.16}
 _TILED = {"fwd_prep", "bwd_prep", "fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "state_pass",
-          "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads"}
+          "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads", "lh_wu_kernel"}
 
 
 class Deadline:
@@ -419,7 +423,8 @@ def tile_choices(kname, K, V):
     """Legal column tiles of a kernel (≥ 16: tl.dot needs it)."""
     if kname in ("fwd_prep", "bwd_prep"):
         return _pow2s(32, min(128, gdn_chunk.triton_next_pow2(K + V)))
-    if kname in ("fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads"):
+    if kname in ("fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads",
+                 "lh_wu_kernel"):
         return _pow2s(max(16, V // 4), V)
     if kname == "state_pass":
         return _pow2s(16, min(64, V))
@@ -455,12 +460,15 @@ class Case:
         # split backward: one state / end-state gradient per sub-chunk
         self.sub_states = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
         self.dsub = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
+        # large-head path with Config.lh_wu: W and U
+        self.wu = (torch.zeros(B, T, H, K, **z), torch.zeros(B, T, H, V, **z))
 
     def fn(self, kname, cfg):
         """A closure that launches kernel `kname` (both directions for the state pass) with cfg."""
         if cfg.BT != self.p.cfg.BT or cfg.BC != self.p.cfg.BC:
             raise ValueError("a Case is built for one BT and BC")
         p, c = dataclasses.replace(self.p, cfg=cfg), gdn_chunk
+        wu = self.wu if cfg.lh_wu else None
         return {
             "wy_inverse": lambda: c.run_wy_inverse(p),
             "fwd_prep": lambda: c.run_fwd_prep(p, self.tinv),
@@ -472,10 +480,11 @@ class Case:
             "bwd_dstate": lambda: c.run_bwd_dstate(p, self.tinv, self.do, self.dsub),
             "bwd_sub": lambda: c.run_bwd_sub(p, self.tinv, self.do, self.sub_states, self.dsub),
             "lh_inverse": lambda: c.run_lh_inverse(p),
-            "lh_fwd_h": lambda: c.run_lh_fwd_h(p, self.tinv, None),
-            "lh_fwd_o": lambda: c.run_lh_fwd_o(p, self.tinv, self.states),
-            "lh_bwd_dh": lambda: c.run_lh_bwd_dh(p, self.tinv, self.do, None),
-            "lh_bwd_grads": lambda: c.run_lh_bwd_grads(p, self.tinv, self.do, self.states, self.dstates),
+            "lh_wu_kernel": lambda: c.run_lh_wu(p, self.tinv),
+            "lh_fwd_h": lambda: c.run_lh_fwd_h(p, self.tinv, None, wu),
+            "lh_fwd_o": lambda: c.run_lh_fwd_o(p, self.tinv, self.states, wu),
+            "lh_bwd_dh": lambda: c.run_lh_bwd_dh(p, self.tinv, self.do, None, wu),
+            "lh_bwd_grads": lambda: c.run_lh_bwd_grads(p, self.tinv, self.do, self.states, self.dstates, wu),
         }[kname]
 
 
@@ -571,7 +580,7 @@ class Precompiler:
 
 def config_from_dict(d):
     d = dict(d)
-    for n in gdn_chunk.KERNELS + gdn_chunk.KERNELS_LARGE:
+    for n in gdn_chunk.KERNELS + gdn_chunk.KERNELS_LARGE_ALL:
         if n in d and isinstance(d[n], dict):
             d[n] = KernelCfg(**d[n])
     return Config(**d)
@@ -634,8 +643,8 @@ def table_entry(cfg, K, V, NH):
         bt, bt_few = cfg.BT, gdn_chunk.get_config(K, V, 1).BT
     else:
         bt, bt_few = gdn_chunk.get_config(K, V, 256).BT, cfg.BT
-    ks = [] if not cfg.large_head else ["large_head=True"]
-    for n in gdn_chunk.KERNELS + (gdn_chunk.KERNELS_LARGE if cfg.large_head else ()):
+    ks = [] if not cfg.large_head else ["large_head=True"] + (["lh_wu=True"] if cfg.lh_wu else [])
+    for n in gdn_chunk.KERNELS + (cfg.kernels() if cfg.large_head else ()):
         kc = getattr(cfg, n)
         ks.append(f"{n}=({kc.num_warps}, {kc.num_stages}" + (f", {cfg.tile(n)})" if n in _TILED else ")"))
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
@@ -648,9 +657,9 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     rec = out["shapes"].setdefault(",".join(map(str, shape)), {})
     base = gdn_chunk.get_config(K, V, B * H)
     if args.large_head:  # the large-head path's kernels from the table's other settings, BT ≤ 128
-        base = dataclasses.replace(base, large_head=True, BT=min(base.BT, 64))
+        base = dataclasses.replace(base, large_head=True, BT=min(base.BT, 64), lh_wu=args.lh_wu)
     # the kernels tuned: every kernel of the table's path (both backward paths), or the large-head path's
-    kernels = gdn_chunk.KERNELS_LARGE if base.large_head else gdn_chunk.KERNELS
+    kernels = base.kernels() if base.large_head else gdn_chunk.KERNELS
     rec["default"] = dataclasses.asdict(base)
     log(f"  default: {base}")
     warps = [int(w) for w in args.warps.split(",")]
@@ -863,6 +872,7 @@ def main(argv=None):
     ap.add_argument("--large-head", action="store_true",
                     help="--tune: tune the large-head path's kernels (Config.large_head, BT <= 128) instead of the "
                          "table's path; the end-to-end comparison is then against the table's default")
+    ap.add_argument("--lh-wu", action="store_true", help="--tune --large-head: with Config.lh_wu (W, U precomputed)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="--tune: processes precompiling the variants in parallel (0: none; default cores - 2, <= 12)")
     ap.add_argument("--warps", default="1,2,4,8", help="--tune: num_warps choices")

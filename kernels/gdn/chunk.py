@@ -72,7 +72,10 @@ class Config:
     large_head: the large-head path (``large_head_kernels.py``; meant for K ≥ 64): the chunk
     algebra on whole chunks of BT tokens (T = (I + A)⁻¹ is BT×BT, built from BC-token blocks),
     a sequential pass per value block instead of [M | N] chunk maps, and the backward as a
-    reverse pass plus one parallel gradient kernel. Untimed on a GPU so far: off in TABLE."""
+    reverse pass plus one parallel gradient kernel. Untimed on a GPU so far: off in TABLE.
+    lh_wu: on the large-head path, one more parallel kernel (``_lh_wu``, fla's recompute_w_u)
+    writes W = T X and U = T Y (fp32, transient), and the passes load them instead of running
+    two dots with T per chunk on their sequential path."""
 
     BT: int = 64
     BC: int = 16
@@ -96,6 +99,8 @@ class Config:
     lh_fwd_o: KernelCfg = KernelCfg(4, 2)
     lh_bwd_dh: KernelCfg = KernelCfg(4, 2)
     lh_bwd_grads: KernelCfg = KernelCfg(4, 1)
+    lh_wu_kernel: KernelCfg = KernelCfg(4, 1)
+    lh_wu: bool = False
 
     def __post_init__(self):
         # the large-head kernels hold BT × BT tiles (T, P, their gradients) in registers
@@ -108,13 +113,13 @@ class Config:
         shared = {"fwd_prep": self.BZ, "bwd_prep": self.BZ, "fwd_out": self.BV, "bwd_local": self.BV,
                   "bwd_dstate": self.BV, "bwd_sub": self.BV, "state_pass": self.BV_PASS,
                   "lh_fwd_h": self.BV, "lh_fwd_o": self.BV, "lh_bwd_dh": self.BV,
-                  "lh_bwd_grads": self.BV}.get(kernel, 0)
+                  "lh_bwd_grads": self.BV, "lh_wu_kernel": self.BV}.get(kernel, 0)
         return (getattr(self, kernel).block or shared) if shared else 0
 
     def kernels(self) -> tuple[str, ...]:
         """The kernels this config launches (its backward path's), in launch order."""
         if self.large_head:
-            return KERNELS_LARGE
+            return KERNELS_LARGE + (("lh_wu_kernel",) if self.lh_wu else ())
         return KERNELS_SPLIT if self.bwd_split else KERNELS_LOCAL
 
     @property
@@ -135,6 +140,7 @@ KERNELS_SPLIT = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", 
 KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
 # the large-head path's (`bench.py --tune --large-head` tunes these instead of KERNELS)
 KERNELS_LARGE = ("lh_inverse", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads")
+KERNELS_LARGE_ALL = KERNELS_LARGE + ("lh_wu_kernel",)  # with Config.lh_wu
 
 # Launch table by (K, V) class: the first entry (in key order) with K ≤ Kc and V ≤ Vc applies.
 # Tiles: BT for N·H ≥ 128 (sequences × heads), BT_FEW below that (the state pass is then short
@@ -179,9 +185,10 @@ TUNING: dict[tuple[int, int], Config] = {}
 def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     """A Config for head dims K, V and NH = sequences × heads from a TABLE-style entry."""
     cap = dict(fwd_prep=triton_next_pow2(K + V), bwd_prep=triton_next_pow2(K + V), fwd_out=V, bwd_local=V,
-               bwd_dstate=V, bwd_sub=V, state_pass=V, lh_fwd_h=V, lh_fwd_o=V, lh_bwd_dh=V, lh_bwd_grads=V)
+               bwd_dstate=V, bwd_sub=V, state_pass=V, lh_fwd_h=V, lh_fwd_o=V, lh_bwd_dh=V, lh_bwd_grads=V,
+               lh_wu_kernel=V)
     kc = {}
-    for n in KERNELS + KERNELS_LARGE:
+    for n in KERNELS + KERNELS_LARGE_ALL:
         if n in entry:
             c = KernelCfg(*entry[n])
             kc[n] = dataclasses.replace(c, block=min(c.block, cap[n])) if c.block and n in cap else c
@@ -192,6 +199,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
                   BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)),
                   dot_bf16=bool(entry.get("dot_bf16", False)), large_head=bool(entry.get("large_head", False)),
+                  lh_wu=bool(entry.get("lh_wu", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
@@ -446,43 +454,65 @@ def run_lh_inverse(p: Problem) -> torch.Tensor:
     return tinv
 
 
-def run_lh_fwd_h(p: Problem, tinv, h0):
+def run_lh_wu(p: Problem, tinv):
+    """Large-head path with Config.lh_wu: (W, U) = (T X, T Y) of every chunk, fp32; else (T, T)
+    as placeholders that the kernels do not read."""
+    if not p.cfg.lh_wu:
+        return tinv, tinv
+    w = torch.empty(p.B, p.T, p.H, p.K, dtype=torch.float32, device=p.q.device)
+    u = torch.empty(p.B, p.T, p.H, p.V, dtype=torch.float32, device=p.q.device)
+    BV = p.cfg.tile("lh_wu_kernel")
+    geom = _lh_geom(p)
+    _lh._lh_wu_kernel[(p.NC, p.H, _cdiv(p.V, BV))](
+        p.k, p.v, p.g, p.beta, tinv, w, u, p.spans, p.T, V=p.V, BV=BV,
+        **{n: geom[n] for n in ("H", "K", "BT", "IS_VARLEN", "NORM_QK", "TPREC")}, **_kw(p.cfg.lh_wu_kernel))
+    return w, u
+
+
+def run_lh_fwd_h(p: Problem, tinv, h0, wu=None):
     """Large-head path, the forward pass: (chunk start states [NC, H, K, V], final states [N, H, K, V])."""
     states = torch.empty(p.NC, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     final = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     BV = p.cfg.tile("lh_fwd_h")
+    w, u = wu or (tinv, tinv)
     _lh._lh_fwd_h_kernel[(p.N, p.H, _cdiv(p.V, BV))](
-        p.q, p.k, p.v, p.g, p.beta, tinv, states, h0 if h0 is not None else final, final, p.spans, p.offs, p.T,
-        p.scale, V=p.V, BV=BV, HAS_X0=h0 is not None, **_lh_geom(p), **_kw(p.cfg.lh_fwd_h))
+        p.q, p.k, p.v, p.g, p.beta, tinv, w, u, states, h0 if h0 is not None else final, final, p.spans, p.offs,
+        p.T, p.scale, V=p.V, BV=BV, HAS_X0=h0 is not None, HAS_WU=wu is not None and p.cfg.lh_wu,
+        **_lh_geom(p), **_kw(p.cfg.lh_fwd_h))
     return states, final
 
 
-def run_lh_fwd_o(p: Problem, tinv, states) -> torch.Tensor:
+def run_lh_fwd_o(p: Problem, tinv, states, wu=None) -> torch.Tensor:
     o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=p.q.device)
     BV = p.cfg.tile("lh_fwd_o")
+    w, u = wu or (tinv, tinv)
     _lh._lh_fwd_o_kernel[(p.NC, p.H, _cdiv(p.V, BV))](
-        p.q, p.k, p.v, p.g, p.beta, tinv, states, o, p.spans, p.T, p.scale, V=p.V, BV=BV, **_lh_geom(p),
-        **_kw(p.cfg.lh_fwd_o))
+        p.q, p.k, p.v, p.g, p.beta, tinv, w, u, states, o, p.spans, p.T, p.scale, V=p.V, BV=BV,
+        HAS_WU=wu is not None and p.cfg.lh_wu, **_lh_geom(p), **_kw(p.cfg.lh_fwd_o))
     return o
 
 
-def run_lh_bwd_dh(p: Problem, tinv, do, dht):
+def run_lh_bwd_dh(p: Problem, tinv, do, dht, wu=None):
     """Large-head path, the reverse pass: (chunk end-state gradients [NC, H, K, V], dh0 [N, H, K, V])."""
     dstates = torch.empty(p.NC, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     dh0 = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     BV = p.cfg.tile("lh_bwd_dh")
+    w, u = wu or (tinv, tinv)
     _lh._lh_bwd_dh_kernel[(p.N, p.H, _cdiv(p.V, BV))](
-        p.q, p.k, p.v, p.g, p.beta, tinv, do, dstates, dht if dht is not None else dh0, dh0, p.spans, p.offs,
-        p.T, p.scale, V=p.V, BV=BV, HAS_DHT=dht is not None, **_lh_geom(p), **_kw(p.cfg.lh_bwd_dh))
+        p.q, p.k, p.v, p.g, p.beta, tinv, w, u, do, dstates, dht if dht is not None else dh0, dh0, p.spans,
+        p.offs, p.T, p.scale, V=p.V, BV=BV, HAS_DHT=dht is not None, HAS_WU=wu is not None and p.cfg.lh_wu,
+        **_lh_geom(p), **_kw(p.cfg.lh_bwd_dh))
     return dstates, dh0
 
 
-def run_lh_bwd_grads(p: Problem, tinv, do, states, dstates):
+def run_lh_bwd_grads(p: Problem, tinv, do, states, dstates, wu=None):
     """Large-head path: (dq, dk, dv, dg, dβ) from each chunk's start state and end-state gradient."""
     dq, dk, dv, dg, db = (torch.empty_like(x) for x in (p.q, p.k, p.v, p.g, p.beta))
+    w, u = wu or (tinv, tinv)
     _lh._lh_bwd_grads_kernel[(p.NC, p.H)](
-        p.q, p.k, p.v, p.g, p.beta, tinv, do, states, dstates, dq, dk, dv, dg, db, p.spans, p.T, p.scale,
-        V=p.V, BV=p.cfg.tile("lh_bwd_grads"), **_lh_geom(p), **_kw(p.cfg.lh_bwd_grads))
+        p.q, p.k, p.v, p.g, p.beta, tinv, w, u, do, states, dstates, dq, dk, dv, dg, db, p.spans, p.T, p.scale,
+        V=p.V, BV=p.cfg.tile("lh_bwd_grads"), HAS_WU=wu is not None and p.cfg.lh_wu, **_lh_geom(p),
+        **_kw(p.cfg.lh_bwd_grads))
     return dq, dk, dv, dg, db
 
 
@@ -490,8 +520,9 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, 
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
     if p.cfg.large_head:
         tinv = run_lh_inverse(p)
-        states, final_state = run_lh_fwd_h(p, tinv, initial_state)
-        return run_lh_fwd_o(p, tinv, states), final_state, states, tinv
+        wu = run_lh_wu(p, tinv) if p.cfg.lh_wu else None
+        states, final_state = run_lh_fwd_h(p, tinv, initial_state, wu)
+        return run_lh_fwd_o(p, tinv, states, wu), final_state, states, tinv
     tinv = run_wy_inverse(p)  # saved for the backward
     mn = run_fwd_prep(p, tinv)
     # saved for the backward: chunk start states [NC, H, K, V], or on the split path every
@@ -509,8 +540,9 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht
             "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
             "changed between the forward and the backward?)")
     if p.cfg.large_head:
-        dstates, dh0 = run_lh_bwd_dh(p, tinv, do, dht)
-        return (*run_lh_bwd_grads(p, tinv, do, states, dstates), dh0)
+        wu = run_lh_wu(p, tinv) if p.cfg.lh_wu else None  # recomputed, not saved
+        dstates, dh0 = run_lh_bwd_dh(p, tinv, do, dht, wu)
+        return (*run_lh_bwd_grads(p, tinv, do, states, dstates, wu), dh0)
     mr = run_bwd_prep(p, tinv, do)
     # split path: dstates has one slot per sub-chunk; the pass fills slot 0 of each chunk with
     # the chunk's end-state gradient, _bwd_dstate the sub-chunk end-state gradients

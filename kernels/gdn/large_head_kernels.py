@@ -93,10 +93,42 @@ def _lh_inverse_kernel(
 
 
 @triton.jit
-def _lh_load_chunk(q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale,
+def _lh_wu_kernel(
+    k, v, g, beta, tinv, w, u, chunk_spans, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, TPREC: tl.constexpr,
+):
+    """W = T X and U = T Y of one chunk (U's columns i_v·BV …; the first value block stores W),
+    in fp32, so that the sequential passes need not compute them (Config.lh_wu)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_k = tl.arange(0, K)
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
+    vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+    bb = _load_vec(beta, rows, m_r, i_h, H)
+    Tm = _load_rows(tinv, rows, m_r, i_h, H, BT, o_t, o_t < BT)
+    r64 = rows.to(tl.int64)
+    U = _dot(Tm, vb * bb[:, None], TPREC)
+    tl.store(u + (r64 * H + i_h)[:, None] * V + o_v[None, :], U, mask=m_r[:, None] & m_v[None, :])
+    if i_v == 0:
+        eg = tl.exp(tl.cumsum(_load_vec(g, rows, m_r, i_h, H), axis=0))
+        W = _dot(Tm, kb * (bb * eg)[:, None], TPREC)
+        tl.store(w + (r64 * H + i_h)[:, None] * K + o_k[None, :], W, mask=m_r[:, None])
+
+
+@triton.jit
+def _lh_load_chunk(q, k, v, g, beta, tinv, w, u, rows, m_r, i_h, o_v, m_v, scale,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   NORM_QK: tl.constexpr, TPREC: tl.constexpr):
-    """A chunk's inputs and the state-free tensors of its algebra (value columns o_v)."""
+                   NORM_QK: tl.constexpr, TPREC: tl.constexpr, HAS_WU: tl.constexpr):
+    """A chunk's inputs and the state-free tensors of its algebra (value columns o_v); with
+    HAS_WU, W and U come from _lh_wu's output instead of two dots with T."""
     o_k = tl.arange(0, K)
     o_t = tl.arange(0, BT)
     kb, rk = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
@@ -108,8 +140,12 @@ def _lh_load_chunk(q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale,
     gam, gL, g_in, g_lo = _lh_decays(gb, BT)
     eg = tl.exp(gam)
     X = kb * (bb * eg)[:, None]
-    W = _dot(Tm, X, TPREC)
-    U = _dot(Tm, vb * bb[:, None], TPREC)
+    if HAS_WU:
+        W = _load_rows(w, rows, m_r, i_h, H, K, o_k, o_k < K)
+        U = _load_rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+    else:
+        W = _dot(Tm, X, TPREC)
+        U = _dot(Tm, vb * bb[:, None], TPREC)
     qs = qb * scale
     Kt = kb * tl.exp(gL - gam)[:, None]
     return kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt
@@ -117,10 +153,10 @@ def _lh_load_chunk(q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale,
 
 @triton.jit
 def _lh_fwd_h_kernel(
-    q, k, v, g, beta, tinv, states, x0, xT, chunk_spans, chunk_offsets, T, scale,
+    q, k, v, g, beta, tinv, w, u, states, x0, xT, chunk_spans, chunk_offsets, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     HAS_X0: tl.constexpr, IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
-    TPREC: tl.constexpr,
+    TPREC: tl.constexpr, HAS_WU: tl.constexpr = False,
 ):
     """The forward pass over one sequence's chunks (value columns i_v·BV …): stores each
     chunk's start state, returns the final state."""
@@ -131,7 +167,7 @@ def _lh_fwd_h_kernel(
         p_s = ((c.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(states + p_s, S, mask=m_v[None, :])
         kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
-            q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC)
+            q, k, v, g, beta, tinv, w, u, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC, HAS_WU)
         vn = U - _dot(W, S, PREC)
         S = tl.exp(gL) * S + _dot(tl.trans(Kt), vn, PREC)
     tl.store(xT + p_x, S, mask=m_v[None, :])
@@ -139,9 +175,10 @@ def _lh_fwd_h_kernel(
 
 @triton.jit
 def _lh_fwd_o_kernel(
-    q, k, v, g, beta, tinv, states, o, chunk_spans, T, scale,
+    q, k, v, g, beta, tinv, w, u, states, o, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
+    HAS_WU: tl.constexpr = False,
 ):
     """o of one chunk (value columns i_v·BV …) from its start state."""
     i_c = tl.program_id(0).to(tl.int64)
@@ -155,7 +192,7 @@ def _lh_fwd_o_kernel(
     m_v = o_v < V
     S = tl.load(states + ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
     kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
-        q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC)
+        q, k, v, g, beta, tinv, w, u, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC, HAS_WU)
     vn = U - _dot(W, S, PREC)
     P = _dot(qs, tl.trans(kb), PREC) * g_in
     ob = _dot(qs * eg[:, None], S, PREC) + _dot(P, vn, PREC)
@@ -165,10 +202,10 @@ def _lh_fwd_o_kernel(
 
 @triton.jit
 def _lh_bwd_dh_kernel(
-    q, k, v, g, beta, tinv, do, dstates, dht, dh0, chunk_spans, chunk_offsets, T, scale,
+    q, k, v, g, beta, tinv, w, u, do, dstates, dht, dh0, chunk_spans, chunk_offsets, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
-    TPREC: tl.constexpr,
+    TPREC: tl.constexpr, HAS_WU: tl.constexpr = False,
 ):
     """The reverse pass over one sequence's chunks (value columns i_v·BV …): stores each
     chunk's end-state gradient dS', returns the gradient of the initial state."""
@@ -179,7 +216,7 @@ def _lh_bwd_dh_kernel(
         p_s = ((c.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(dstates + p_s, dS, mask=m_v[None, :])
         kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
-            q, k, v, g, beta, tinv, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC)
+            q, k, v, g, beta, tinv, w, u, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC, HAS_WU)
         dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
         P = _dot(qs, tl.trans(kb), PREC) * g_in
         dvn = _dot(tl.trans(P), dob, PREC) + _dot(Kt, dS, PREC)
@@ -190,9 +227,10 @@ def _lh_bwd_dh_kernel(
 
 @triton.jit
 def _lh_bwd_grads_kernel(
-    q, k, v, g, beta, tinv, do, states, dstates, dq, dk, dv, dg, db, chunk_spans, T, scale,
+    q, k, v, g, beta, tinv, w, u, do, states, dstates, dq, dk, dv, dg, db, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
+    HAS_WU: tl.constexpr = False,
 ):
     """dq, dk, dv, dg, dβ of one chunk from its start state S and end-state gradient dS'
     (README, Backward, with c = BT); the sums over V run over the value blocks in a loop.
@@ -208,7 +246,7 @@ def _lh_bwd_grads_kernel(
     o_t = tl.arange(0, BT)
     o_v0 = tl.arange(0, BV)
     kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
-        q, k, v, g, beta, tinv, rows, m_r, i_h, o_v0, o_v0 < V, scale, H, K, V, BT, NORM_QK, TPREC)
+        q, k, v, g, beta, tinv, w, u, rows, m_r, i_h, o_v0, o_v0 < V, scale, H, K, V, BT, NORM_QK, TPREC, HAS_WU)
     Pt = tl.trans(_dot(qs, tl.trans(kb), PREC) * g_in)
     ed = tl.exp(gL - gam)
     be = bb * eg
@@ -229,7 +267,11 @@ def _lh_bwd_grads_kernel(
         dS = tl.load(dstates + p_s, mask=m_v[None, :], other=0.0)
         vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
         dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
-        vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
+        if HAS_WU:
+            Uj = _load_rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+        else:
+            Uj = _dot(Tm, vb * bb[:, None], TPREC)
+        vn = Uj - _dot(W, S, PREC)
         dvn = _dot(Pt, dob, PREC) + _dot(Kt, dS, PREC)
         dY = _dot(tl.trans(Tm), dvn, TPREC)
         dXj = -_dot(dY, tl.trans(S), PREC)

@@ -179,9 +179,10 @@ def test_without_state_arguments(bwd_path):
         # loops over them, the passes split them over programs)
         Config(BT=64, BC=16, BV=16, large_head=True),
         Config(BT=32, BC=16, BV=32, large_head=True, inverse_prec="tf32x3"),
+        Config(BT=64, BC=16, BV=16, large_head=True, lh_wu=True),
     ],
     ids=["split-V", "BT128-BC32", "BT256", "per-kernel-tiles", "inverse-tf32x3", "large-head-BT64",
-         "large-head-BT32"],
+         "large-head-BT32", "large-head-wu"],
 )
 def test_tilings(cfg, tuning, bwd_path):
     tuning[(32, 32)] = dataclasses.replace(cfg, bwd_split=bwd_path)
@@ -196,9 +197,11 @@ def test_tilings(cfg, tuning, bwd_path):
     (1, 130, 1, 64, 64, False, False),
     (1, 70, 1, 128, 128, True, True),
 ], ids=str)
-def test_large_head_path(B, T, H, K, V, h0, l2norm, tuning):
-    """The large-head kernels (Config.large_head) against the float64 recurrence, K up to 128."""
-    tuning[(K, V)] = Config(BT=64, BC=16, BV=16 if K < 128 else 64, large_head=True)
+@pytest.mark.parametrize("lh_wu", [False, True], ids=["wu-in-passes", "wu-kernel"])
+def test_large_head_path(B, T, H, K, V, h0, l2norm, lh_wu, tuning):
+    """The large-head kernels (Config.large_head, with and without Config.lh_wu) against the
+    float64 recurrence, K up to 128."""
+    tuning[(K, V)] = Config(BT=64, BC=16, BV=16 if K < 128 else 64, large_head=True, lh_wu=lh_wu)
     x = make_inputs(B, T, H, K, V, n_states=B if h0 else 0, dtype=torch.float32)
     run_and_compare(x, l2norm=l2norm, tol=TOL[torch.float32])
 
@@ -310,7 +313,8 @@ def test_bench_tune_smoke(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
-def test_bench_tune_large_head_smoke(tmp_path):
+@pytest.mark.parametrize("lh_wu", [False, True], ids=["wu-in-passes", "wu-kernel"])
+def test_bench_tune_large_head_smoke(tmp_path, lh_wu):
     """bench.py --tune --large-head tunes the large-head kernels and prints an entry that turns it on."""
     import json
 
@@ -319,19 +323,20 @@ def test_bench_tune_large_head_smoke(tmp_path):
     out = tmp_path / "tune.json"
     try:
         bench.main(["--smoke", "--tune", "--large-head", "--shapes", "1,40,1,16,16", "--warps", "1",
-                    "--stages", "1,2", "--bts", "32,64,256", "--no-fla", "--jobs", "0", "--json", str(out)])
+                    "--stages", "1,2", "--bts", "32,64,256", "--no-fla", "--jobs", "0", "--json", str(out)]
+                   + (["--lh-wu"] if lh_wu else []))
     finally:
         bench.DEVICE = "cuda"
     rec = json.loads(out.read_text())["shapes"]["1,40,1,16,16"]
     assert all(r["ok"] for r in rec["parity_default"] + rec["parity_tuned"] if "float32" in r["dtype"])
-    assert set(rec["kernels"]) == set(gdn_chunk.KERNELS_LARGE)
+    assert set(rec["kernels"]) == set(gdn_chunk.KERNELS_LARGE_ALL if lh_wu else gdn_chunk.KERNELS_LARGE)
     assert set(rec["bt_sum_ms"]) == {"32", "64"}  # 256-token chunks are not offered to this path
     entry = rec["table_entry"]
-    assert "large_head=True" in entry and "lh_bwd_grads=(" in entry
+    assert "large_head=True" in entry and "lh_bwd_grads=(" in entry and ("lh_wu=True" in entry) == lh_wu
     tuned_bt = rec["tuned"]["BT"]
     for nh in (1, 256):  # both chunk sizes of the entry are the tuned one
         cfg = gdn_chunk.config_from_entry(16, 16, nh, eval(entry.split(": ", 1)[1].rstrip(",")))
-        assert cfg.large_head and cfg.BT == tuned_bt
+        assert cfg.large_head and cfg.BT == tuned_bt and cfg.lh_wu == lh_wu
 
 
 @pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
