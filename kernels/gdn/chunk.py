@@ -455,10 +455,7 @@ def run_lh_inverse(p: Problem) -> torch.Tensor:
 
 
 def run_lh_wu(p: Problem, tinv):
-    """Large-head path with Config.lh_wu: (W, U) = (T X, T Y) of every chunk, fp32; else (T, T)
-    as placeholders that the kernels do not read."""
-    if not p.cfg.lh_wu:
-        return tinv, tinv
+    """Large-head path with Config.lh_wu: (W, U) = (T X, T Y) of every chunk, fp32."""
     w = torch.empty(p.B, p.T, p.H, p.K, dtype=torch.float32, device=p.q.device)
     u = torch.empty(p.B, p.T, p.H, p.V, dtype=torch.float32, device=p.q.device)
     BV = p.cfg.tile("lh_wu_kernel")
@@ -477,7 +474,7 @@ def run_lh_fwd_h(p: Problem, tinv, h0, wu=None):
     w, u = wu or (tinv, tinv)
     _lh._lh_fwd_h_kernel[(p.N, p.H, _cdiv(p.V, BV))](
         p.q, p.k, p.v, p.g, p.beta, tinv, w, u, states, h0 if h0 is not None else final, final, p.spans, p.offs,
-        p.T, p.scale, V=p.V, BV=BV, HAS_X0=h0 is not None, HAS_WU=wu is not None and p.cfg.lh_wu,
+        p.T, p.scale, V=p.V, BV=BV, HAS_X0=h0 is not None, HAS_WU=wu is not None,
         **_lh_geom(p), **_kw(p.cfg.lh_fwd_h))
     return states, final
 
@@ -488,7 +485,7 @@ def run_lh_fwd_o(p: Problem, tinv, states, wu=None) -> torch.Tensor:
     w, u = wu or (tinv, tinv)
     _lh._lh_fwd_o_kernel[(p.NC, p.H, _cdiv(p.V, BV))](
         p.q, p.k, p.v, p.g, p.beta, tinv, w, u, states, o, p.spans, p.T, p.scale, V=p.V, BV=BV,
-        HAS_WU=wu is not None and p.cfg.lh_wu, **_lh_geom(p), **_kw(p.cfg.lh_fwd_o))
+        HAS_WU=wu is not None, **_lh_geom(p), **_kw(p.cfg.lh_fwd_o))
     return o
 
 
@@ -500,7 +497,7 @@ def run_lh_bwd_dh(p: Problem, tinv, do, dht, wu=None):
     w, u = wu or (tinv, tinv)
     _lh._lh_bwd_dh_kernel[(p.N, p.H, _cdiv(p.V, BV))](
         p.q, p.k, p.v, p.g, p.beta, tinv, w, u, do, dstates, dht if dht is not None else dh0, dh0, p.spans,
-        p.offs, p.T, p.scale, V=p.V, BV=BV, HAS_DHT=dht is not None, HAS_WU=wu is not None and p.cfg.lh_wu,
+        p.offs, p.T, p.scale, V=p.V, BV=BV, HAS_DHT=dht is not None, HAS_WU=wu is not None,
         **_lh_geom(p), **_kw(p.cfg.lh_bwd_dh))
     return dstates, dh0
 
@@ -511,7 +508,7 @@ def run_lh_bwd_grads(p: Problem, tinv, do, states, dstates, wu=None):
     w, u = wu or (tinv, tinv)
     _lh._lh_bwd_grads_kernel[(p.NC, p.H)](
         p.q, p.k, p.v, p.g, p.beta, tinv, w, u, do, states, dstates, dq, dk, dv, dg, db, p.spans, p.T, p.scale,
-        V=p.V, BV=p.cfg.tile("lh_bwd_grads"), HAS_WU=wu is not None and p.cfg.lh_wu, **_lh_geom(p),
+        V=p.V, BV=p.cfg.tile("lh_bwd_grads"), HAS_WU=wu is not None, **_lh_geom(p),
         **_kw(p.cfg.lh_bwd_grads))
     return dq, dk, dv, dg, db
 
@@ -656,10 +653,10 @@ gdn_chunk_fwd.register_autograd(_autograd_backward, setup_context=_setup_context
 
 
 class _EagerGDN(torch.autograd.Function):
-    """The eager path: the custom ops' launches in a plain autograd.Function. Dispatching a
-    custom op and its registered autograd cost the host ~0.8 ms per fwd+bwd at the HyMo shape
-    on an H200 host, more than the kernels' GPU time (BENCHMARKS.md, host_probe); torch.compile
-    keeps the custom ops (chunk_gated_delta_rule picks)."""
+    """The eager path: the custom ops' launches in a plain autograd.Function. Through the custom
+    ops a fwd+bwd cost an H200 host 0.3-0.6 ms more at the HyMo shape (two runs of host_probe,
+    BENCHMARKS.md), and the host time was above the kernels' GPU time; torch.compile keeps the
+    custom ops (chunk_gated_delta_rule picks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16):

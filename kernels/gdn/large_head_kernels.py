@@ -25,8 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_kernels import (_chunk_span, _dot, _gram, _l2norm_rows, _load_rows, _load_vec, _pass_tile,
-                            _unit_lower_inverse)
+from .chunk_kernels import (_chunk_span, _chunk_tile, _dot, _gram, _l2norm_rows, _load_rows, _load_vec,
+                            _pass_tile, _unit_lower_inverse)
 
 
 @triton.jit
@@ -100,16 +100,11 @@ def _lh_wu_kernel(
 ):
     """W = T X and U = T Y of one chunk (U's columns i_v·BV …; the first value block stores W),
     in fp32, so that the sequential passes need not compute them (Config.lh_wu)."""
-    i_c = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
+    i_c, i_h, i_v, t0, eos, o_t, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BT, K, BV, V, IS_VARLEN)
     if t0 >= eos:
         return
-    o_k = tl.arange(0, K)
-    o_t = tl.arange(0, BT)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    rows = t0 + o_t
+    m_r = rows < eos
     kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
     vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
     bb = _load_vec(beta, rows, m_r, i_h, H)
@@ -181,15 +176,11 @@ def _lh_fwd_o_kernel(
     HAS_WU: tl.constexpr = False,
 ):
     """o of one chunk (value columns i_v·BV …) from its start state."""
-    i_c = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
+    i_c, i_h, i_v, t0, eos, o_t, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BT, K, BV, V, IS_VARLEN)
     if t0 >= eos:
         return
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    rows = t0 + o_t
+    m_r = rows < eos
     S = tl.load(states + ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
     kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
         q, k, v, g, beta, tinv, w, u, rows, m_r, i_h, o_v, m_v, scale, H, K, V, BT, NORM_QK, TPREC, HAS_WU)
