@@ -19,6 +19,7 @@ that says to pick ``gdn_backend = "torch_chunk"`` (or ``"naive"``) instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -72,7 +73,9 @@ class Config:
     large_head: the large-head path (``large_head_kernels.py``; meant for K ≥ 64): the chunk
     algebra on whole chunks of BT tokens (T = (I + A)⁻¹ is BT×BT, built from BC-token blocks),
     a sequential pass per value block instead of [M | N] chunk maps, and the backward as a
-    reverse pass plus one parallel gradient kernel. Untimed on a GPU so far: off in TABLE.
+    reverse pass plus one parallel gradient kernel. Off in TABLE: slower than the default path
+    on an H200 at both K (seventh session, kernels/gdn/README.md), and most of its launches with
+    ≥ 4 warps fault on Hopper (check_large_head_launch refuses them all).
     lh_wu: on the large-head path, one more parallel kernel (``_lh_wu``, fla's recompute_w_u)
     writes W = T X and U = T Y (fp32, transient), and the passes load them instead of running
     two dots with T per chunk on their sequential path."""
@@ -94,12 +97,14 @@ class Config:
     bwd_dstate: KernelCfg = KernelCfg(1, 2)
     bwd_sub: KernelCfg = KernelCfg(2, 1)
     large_head: bool = False
-    lh_inverse: KernelCfg = KernelCfg(4, 1)
-    lh_fwd_h: KernelCfg = KernelCfg(4, 2)
-    lh_fwd_o: KernelCfg = KernelCfg(4, 2)
-    lh_bwd_dh: KernelCfg = KernelCfg(4, 2)
-    lh_bwd_grads: KernelCfg = KernelCfg(4, 1)
-    lh_wu_kernel: KernelCfg = KernelCfg(4, 1)
+    # two warps: the large-head kernels' only launches measured correct on an H200 with Triton 3.6
+    # at both K (seventh session; see check_large_head_launch)
+    lh_inverse: KernelCfg = KernelCfg(2, 1)
+    lh_fwd_h: KernelCfg = KernelCfg(2, 2)
+    lh_fwd_o: KernelCfg = KernelCfg(2, 2)
+    lh_bwd_dh: KernelCfg = KernelCfg(2, 2)
+    lh_bwd_grads: KernelCfg = KernelCfg(2, 1)
+    lh_wu_kernel: KernelCfg = KernelCfg(2, 1)
     lh_wu: bool = False
 
     def __post_init__(self):
@@ -299,6 +304,25 @@ class Problem:
     offs: torch.Tensor
 
 
+@functools.lru_cache(maxsize=64)
+def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
+    """Refuse large-head launches with ≥ 4 warps on Hopper (sm_90): on an H200 with Triton 3.6
+    most of them fault with an illegal memory access (K = 32 with 32-column value blocks at 4
+    warps; K = 128 with 32-column blocks at 4 warps, with 8 warps, and with lh_wu; seventh
+    session, kernels/gdn/README.md). It is the class of miscompiled warpgroup (wgmma) code that
+    fla avoids the same way on Hopper (its issues #640 and #984, the latter still with Triton
+    3.7.1: 2 warps, or no 8 warps). Two warps (the Config defaults) run no warpgroup MMAs and
+    passed parity there. A fault poisons the process's CUDA context, hence an error up front."""
+    if not cfg.large_head or capability != (9, 0):
+        return
+    wide = [n for n in cfg.kernels() if getattr(cfg, n).num_warps >= 4]
+    if wide:
+        raise RuntimeError(
+            f"the large-head GDN kernels {wide} are set to >= 4 warps, which fault (illegal memory access) "
+            "on Hopper GPUs; set their KernelCfg num_warps to 2 (the Config defaults) or turn "
+            "Config.large_head off")
+
+
 def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None = None,
                  dot_bf16: bool | None = None) -> Problem:
     """dot_bf16 (not None) overrides the config's choice (the op's argument)."""
@@ -306,6 +330,8 @@ def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None =
     cfg = cfg or cfg0
     if dot_bf16 is not None:
         cfg = dataclasses.replace(cfg, dot_bf16=dot_bf16)
+    if cfg.large_head and q.is_cuda:
+        check_large_head_launch(cfg, torch.cuda.get_device_capability(q.device))
     NC = _num_chunks(B, T, N, cu_seqlens is not None, cfg.BT)
     if cu_seqlens is None:
         spans = offs = torch.empty(2, dtype=torch.int32, device=q.device)

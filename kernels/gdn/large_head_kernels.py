@@ -16,8 +16,9 @@ chunk (c = BT, 64 by default), split the way ``chunk_torch._chunk_rows_backward`
 - ``_lh_bwd_grads``: every chunk's input gradients from its S and dS' in parallel, looping
   over the value blocks for the sums over V.
 
-Every dot has BT rows (64: warpgroup MMAs on Hopper) instead of the 16 of the default path.
-Not tuned or timed on a GPU yet (sixth session: CPU interpreter parity only).
+Every dot has BT rows (64: warpgroup MMAs on Hopper at ≥ 4 warps) instead of the 16 of the
+default path. On an H200 with Triton 3.6 (seventh session, README.md) launches with ≥ 4 warps
+mostly fault, and the path is slower than the default one (`_lh_bwd_grads` spills): off in the table.
 """
 
 from __future__ import annotations
