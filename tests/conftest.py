@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter. triton.jit reads this
+# variable when a kernel module is imported, and test modules outside tests/kernels import
+# the model (and through it the kernels) too, so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

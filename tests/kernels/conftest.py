@@ -1,12 +1,5 @@
-import os
-
 import pytest
 import torch
-
-# Without a GPU the Triton kernels run in Triton's CPU interpreter; triton.jit reads this
-# variable when a kernel module is imported, so it must be set before any test imports one.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Parity of the Triton GDN kernel (hymo_kernels.gdn.chunk) with the float64 recurrence.
 
-On a machine without a GPU the kernels run in Triton's interpreter (tests/kernels/conftest.py
+On a machine without a GPU the kernels run in Triton's interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1), in fp32 on tiny shapes: the interpreter gets bf16 wrong, so bf16 is
 checked by the `gpu` tests only. Every output and every gradient (q, k, v, g, beta,
 initial_state) is compared with its own hard tolerance, outputs poisoned with NaN first.
