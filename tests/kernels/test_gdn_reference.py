@@ -158,8 +158,11 @@ def test_bad_shapes_and_backend_raise():
     (q, k, v, g, beta, h0), _ = make_inputs(2, 10, 2, 8, 8, n_states=2, seed=0)
     with pytest.raises(ValueError, match="B = 1"):
         chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 10]))
-    with pytest.raises(ValueError, match="end at T"):
-        chunk_gated_delta_rule_torch(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 9]))
+    one = (q[:1], k[:1], v[:1], g[:1], beta[:1])
+    for bounds, message in (([0, 9], "end at T"), ([1, 10], "start at 0"), ([0, 6, 4, 10], "non-decreasing")):
+        with pytest.raises(ValueError, match=message):
+            chunk_gated_delta_rule_torch(*one, cu_seqlens=torch.tensor(bounds))
+    assert chunk_gated_delta_rule_torch(*one, cu_seqlens=torch.tensor([0, 4, 4, 10]))[0].shape == v[:1].shape
     with pytest.raises(ValueError, match="initial_state"):
         chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state=h0[:1])
     with pytest.raises(ValueError, match="g must be"):
