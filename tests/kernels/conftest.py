@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from hymo_kernels.gdn import chunk as gdn_chunk
+
 
 @pytest.fixture
 def nan_poison(monkeypatch):
@@ -18,3 +20,12 @@ def nan_poison(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+
+@pytest.fixture
+def tuning():
+    """chunk.TUNING for one test (a kernel tiling per (K, V)), restored afterwards."""
+    saved = dict(gdn_chunk.TUNING)
+    yield gdn_chunk.TUNING
+    gdn_chunk.TUNING.clear()
+    gdn_chunk.TUNING.update(saved)

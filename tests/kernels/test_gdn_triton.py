@@ -105,15 +105,6 @@ def bwd_path(request, monkeypatch):
     return split
 
 
-@pytest.fixture
-def tuning():
-    """Sets a kernel tiling for one test and restores the defaults afterwards."""
-    saved = dict(gdn_chunk.TUNING)
-    yield gdn_chunk.TUNING
-    gdn_chunk.TUNING.clear()
-    gdn_chunk.TUNING.update(saved)
-
-
 @pytest.mark.parametrize(
     "B, T, H, K, V, h0",
     [

@@ -1,0 +1,59 @@
+"""The large-head fault probe's own code paths, on the CPU (Triton's interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hymo_kernels.gdn import chunk as gdn_chunk
+from hymo_kernels.gdn import fault_probe as fp
+from hymo_kernels.gdn.chunk import KernelCfg
+
+
+def test_parse_launches():
+    cfg = fp.parse_launches("lh_fwd_h=8,warps=4,BV=64,lh_wu")
+    assert cfg.large_head and cfg.lh_wu and cfg.BV == 64 and cfg.BT == 64
+    assert cfg.lh_fwd_h == KernelCfg(8, 2) and cfg.lh_bwd_grads == KernelCfg(4, 1) and cfg.lh_inverse.num_warps == 4
+    assert fp.parse_launches("") == fp.parse_launches("warps=2")  # the Config defaults are 2 warps
+    for bad in ("warps=four", "bogus=3", "lh_wu=1", "BV"):
+        with pytest.raises(ValueError, match="bad launch-set item"):
+            fp.parse_launches(bad)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_probe_passes_and_reports_a_failing_launcher(packed, tuning, monkeypatch):
+    shape = (1, 70, 2, 16, 16)
+    res = fp.probe(shape, packed, "warps=4,BV=16", "fp32")  # 4 warps: the launch check is bypassed
+    assert res["ok"], res
+    assert set(res["errors"]) == {"o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    assert max(res["errors"].values()) < 1e-5
+    with pytest.raises(RuntimeError, match=">= 4 warps"):  # the launch check is back in place
+        gdn_chunk.check_large_head_launch(gdn_chunk.Config(large_head=True, lh_fwd_o=KernelCfg(4, 2)), (9, 0))
+
+    class Faulting:  # the reverse pass's kernel, launched as kernel[grid](...), faults
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+            return launch
+
+    monkeypatch.setattr(gdn_chunk._lh, "_lh_bwd_dh_kernel", Faulting())
+    res = fp.probe(shape, packed, "warps=2,BV=16", "fp32")
+    assert not res["ok"] and res["where"] == ["run_lh_bwd_dh"] and "illegal memory access" in res["error"]
+
+
+def test_cli_runs_each_launch_set_in_a_child_process(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--shape", "1,40,1,16,16",
+                        "--dtypes", "fp32", "--launches", "BV=16", "warps=4,BV=16,lh_wu"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(s) for s in p.stdout.splitlines() if s.startswith("{")]
+    assert [(r["launches"], r["ok"]) for r in rows] == [("BV=16", True), ("warps=4,BV=16,lh_wu", True)]
+    assert "PASS" in p.stdout.splitlines()[-1]
+    bad = subprocess.run([sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--launches", "warps=x"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "bad launch-set item" in bad.stderr
