@@ -663,9 +663,10 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
         try:  # the tuner swaps launches inside one Problem: drop those the launch check refuses
             gdn_chunk.check_large_head_launch(dataclasses.replace(base, lh_fwd_h=KernelCfg(4, 1)),
                                               torch.cuda.get_device_capability())
-        except RuntimeError as e:
+        except RuntimeError:
             warps = [w for w in warps if w < 4]
-            log(f"  warps {warps} only: {e}")
+            log(f"  warps {warps} only: the large-head kernels fault with >= 4 warps on this GPU "
+                "(chunk.check_large_head_launch)")
     stages = [int(s) for s in args.stages.split(",")]
     bts = [bt for bt in (int(b) for b in args.bts.split(","))
            if bt % base.BC == 0 and (bt <= 128 or not base.large_head)]
