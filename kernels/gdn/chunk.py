@@ -19,7 +19,6 @@ that says to pick ``gdn_backend = "torch_chunk"`` (or ``"naive"``) instead.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 
@@ -304,7 +303,6 @@ class Problem:
     offs: torch.Tensor
 
 
-@functools.lru_cache(maxsize=64)
 def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
     """Refuse large-head launches with ≥ 4 warps on Hopper (sm_90): on an H200 with Triton 3.6
     most of them fault with an illegal memory access (K = 32 with 32-column value blocks at 4

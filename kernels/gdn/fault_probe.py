@@ -81,24 +81,21 @@ def probe(shape, packed: bool, spec: str, dtype: str) -> dict:
     N = cu.numel() - 1 if packed else B
     h0, do, dht = 0.1 * rnd(N, H, K, V), rnd(B, T, H, V), rnd(N, H, K, V)
 
-    def run(fn, cast):
-        t = {n: x[n].detach().clone().to(torch.float32 if n == "g" and cast != torch.float64 else cast).requires_grad_()
-             for n in x}
-        h = h0.detach().clone().to(torch.float64 if cast == torch.float64 else torch.float32).requires_grad_()
-        o, ht = fn(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h, cu_seqlens=cu)
-        torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
+    def ours(q, k, v, g, beta, initial_state, output_final_state):
+        return C.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+
+    def reference(q, k, v, g, beta, initial_state, output_final_state):
+        return CT.chunk_gated_delta_rule_torch(Bm.l2n(q), Bm.l2n(k), v, g, beta, initial_state=initial_state,
+                                               output_final_state=True, cu_seqlens=cu)
+
+    def run(impl, cast):
+        fp = torch.float64 if cast == torch.float64 else torch.float32  # g and the states
+        xs = {n: t.to(fp if n == "g" else cast) for n, t in x.items()}
+        out = Bm.fwd_bwd_grads(impl, xs, h0.to(fp), do, dht.to(fp))
         if dev == "cuda":
             torch.cuda.synchronize()
-        return dict(o=o, ht=ht, dq=t["q"].grad, dk=t["k"].grad, dv=t["v"].grad, dg=t["g"].grad,
-                    dbeta=t["beta"].grad, dh0=h.grad)
-
-    def ours(q, k, v, g, beta, initial_state, cu_seqlens):
-        return C.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-
-    def reference(q, k, v, g, beta, initial_state, cu_seqlens):
-        return CT.chunk_gated_delta_rule_torch(Bm.l2n(q), Bm.l2n(k), v, g, beta, initial_state=initial_state,
-                                               output_final_state=True, cu_seqlens=cu_seqlens)
+        return out
 
     check = C.check_large_head_launch
     C.check_large_head_launch = lambda *a: None  # the launches it refuses are the ones to probe
