@@ -195,14 +195,28 @@ VARIANTS = {
     # sixth session adopted the fifth session's retune
     "pre_retune32": dict(bwd_prep=KernelCfg(1, 2, 64), bwd_local=KernelCfg(2, 2, 32), bwd_dstate=KernelCfg(1, 2, 32),
                          bwd_sub=KernelCfg(2, 1, 32)),
+    # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; off in the table:
+    # 4-6 % faster, a little higher loss in two short training runs, eighth session)
+    "tbf16": dict(t_bf16=True),
+    # a register cap (KernelCfg.maxnreg) on every kernel the config launches: fewer registers per
+    # thread, more resident warps per SM for the latency-bound kernels, some spills
+    "nreg168": dict(maxnreg=168),
+    "nreg128": dict(maxnreg=128),
+    "nreg96": dict(maxnreg=96),
 }
 
 
 def variant_config(cfg, name):
-    """The config of a --variants entry on top of `cfg`."""
+    """The config of a --variants entry on top of `cfg` (``maxnreg`` applies to every kernel
+    the config launches)."""
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}: pick from {tuple(VARIANTS)}")
-    return dataclasses.replace(cfg, **VARIANTS[name])
+    fields = dict(VARIANTS[name])
+    nreg = fields.pop("maxnreg", None)
+    cfg = dataclasses.replace(cfg, **fields)
+    if nreg is not None:
+        cfg = dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), maxnreg=nreg) for k in cfg.kernels()})
+    return cfg
 
 
 def rel(a, b):
@@ -434,7 +448,7 @@ def with_kernel(cfg, kname, kc):
 def kcfg_str(cfg, kname):
     kc = getattr(cfg, kname)
     t = f" block={cfg.tile(kname)}" if kname in _TILED else ""
-    return f"w={kc.num_warps} s={kc.num_stages}{t}"
+    return f"w={kc.num_warps} s={kc.num_stages}{t}" + (f" nreg={kc.maxnreg}" if kc.maxnreg else "")
 
 
 class Case:
@@ -602,14 +616,16 @@ def time_kernel(case, kname, cfg):
         return float("inf")
 
 
-def kernel_variants(kname, cfg, K, V, warps, stages):
+def kernel_variants(kname, cfg, K, V, warps, stages, nregs=(0,)):
     """Round A: the default, then warps × column tile at 1 stage; round B: the other stage
-    counts at round A's winner (the inverse kernel has no loop, so no stages for it)."""
+    counts at round A's winner (the inverse kernel has no loop, so no stages for it); round C:
+    the register caps at round B's winner (none unless --nregs names one)."""
     tiles = tile_choices(kname, K, V) if kname in _TILED else [0]
     a = [getattr(cfg, kname)] + [KernelCfg(w, 1, t) for w in warps for t in tiles]
     b = ([] if kname in ("wy_inverse", "lh_inverse") or not [s for s in stages if s != 1]
          else [1] + [s for s in stages if s != 1])
-    return a, b
+    c = [] if not [n for n in nregs if n] else [0] + [n for n in nregs if n]
+    return a, b, c
 
 
 def fwdbwd_ms(impl, shape, rep=100):
@@ -642,9 +658,12 @@ def table_entry(cfg, K, V, NH):
     ks = [] if not cfg.large_head else ["large_head=True"] + (["lh_wu=True"] if cfg.lh_wu else [])
     for n in gdn_chunk.KERNELS + (cfg.kernels() if cfg.large_head else ()):
         kc = getattr(cfg, n)
-        ks.append(f"{n}=({kc.num_warps}, {kc.num_stages}" + (f", {cfg.tile(n)})" if n in _TILED else ")"))
+        tail = [cfg.tile(n)] if n in _TILED else []
+        if kc.maxnreg:
+            tail = (tail or [0]) + [kc.maxnreg]
+        ks.append(f"{n}=({', '.join(map(str, [kc.num_warps, kc.num_stages, *tail]))})")
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
-            f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, dot_bf16={cfg.dot_bf16}, "
+            f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, dot_bf16={cfg.dot_bf16}, t_bf16={cfg.t_bf16}, "
             f"inverse_prec={cfg.inverse_prec!r}, " + ", ".join(ks) + "),")
 
 
@@ -716,17 +735,19 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
 
     # 3. per kernel, round A (warps × tile, 1 stage) then round B (stages at A's winner)
     case = Case(shape, torch.bfloat16, cfg)
-    variants = {k: kernel_variants(k, cfg, K, V, warps, stages) for k in kernels}
+    nregs = [int(n) for n in args.nregs.split(",")] if args.nregs else [0]
+    variants = {k: kernel_variants(k, cfg, K, V, warps, stages, nregs) for k in kernels}
     rec["kernels"] = {}
-    for rnd in (0, 1):
+    for rnd in (0, 1, 2):
         jobs = []
-        for k, (va, vb) in variants.items():
-            for v in (va if rnd == 0 else vb):
-                kc = v if rnd == 0 else dataclasses.replace(getattr(cfg, k), num_stages=v)
+        for k, rounds in variants.items():
+            for v in rounds[rnd]:
+                kc = (v if rnd == 0 else dataclasses.replace(getattr(cfg, k), num_stages=v) if rnd == 1
+                      else dataclasses.replace(getattr(cfg, k), maxnreg=v))
                 jobs.append((shape, torch.bfloat16, with_kernel(cfg, k, kc), k))
         if not jobs:
             continue
-        if not pre.run(jobs, deadline, f"round {'AB'[rnd]}"):
+        if not pre.run(jobs, deadline, f"round {'ABC'[rnd]}"):
             return False
         for k in kernels:
             cands = [j[2] for j in jobs if j[3] == k]
@@ -734,8 +755,9 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
                 continue
             rows = []
             for c in cands:
-                if any(c.tile(k) == r[1].tile(k) and getattr(c, k).num_warps == getattr(r[1], k).num_warps
-                       and getattr(c, k).num_stages == getattr(r[1], k).num_stages for r in rows):
+                if any(c.tile(k) == r[1].tile(k)
+                       and dataclasses.replace(getattr(c, k), block=0) == dataclasses.replace(getattr(r[1], k), block=0)
+                       for r in rows):
                     continue
                 rows.append((time_kernel(case, k, c), c))
             rows.sort(key=lambda r: r[0])
@@ -746,7 +768,7 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
                 cfg = with_kernel(cfg, k, dataclasses.replace(getattr(cfg, k), block=best.tile(k)))
             rec["kernels"].setdefault(k, []).extend(
                 dict(cfg=dataclasses.asdict(getattr(c, k)), tile=c.tile(k), ms=t) for t, c in rows)
-            log(f"  {k:10s} round {'AB'[rnd]}: best {kcfg_str(best, k)} {best_t:.4f} ms"
+            log(f"  {k:10s} round {'ABC'[rnd]}: best {kcfg_str(best, k)} {best_t:.4f} ms"
                 + (f" (default {t_def:.4f})" if t_def is not None else "")
                 + "   top: " + ", ".join(f"[{kcfg_str(c, k)}] {t:.4f}" for t, c in rows[1:4]))
             if deadline.left() < 5:
@@ -795,7 +817,7 @@ def tune(args, fla_impl, out):
     if jobs is None:
         jobs = 0 if DEVICE == "cpu" else max(1, min(12, (os.cpu_count() or 2) - 2))
     log(f"# --tune: shapes {shapes}, budget {args.budget_s:.0f}s, warps {args.warps}, stages {args.stages}, "
-        f"BT {args.bts}, {jobs} precompile workers")
+        f"register caps {args.nregs or 'none'}, BT {args.bts}, {jobs} precompile workers")
     pre = Precompiler(jobs)
     out["tune"] = dict(shapes=[list(s) for s in shapes], budget_s=args.budget_s)
     out.setdefault("shapes", {})
@@ -881,6 +903,8 @@ def main(argv=None):
                     help="--tune: processes precompiling the variants in parallel (0: none; default cores - 2, <= 12)")
     ap.add_argument("--warps", default="1,2,4,8", help="--tune: num_warps choices")
     ap.add_argument("--stages", default="1,2,3", help="--tune: num_stages choices")
+    ap.add_argument("--nregs", default="", help="--tune: register caps (KernelCfg.maxnreg) tried last, e.g. 128,96 "
+                    "(0: the compiler's choice, always a candidate then)")
     ap.add_argument("--bts", default="64,128,256", help="--tune: chunk sizes (multiples of BC)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-eager", action="store_true")

@@ -45,11 +45,15 @@ _HINT = 'set the model arg gdn_backend = "torch_chunk" (or "naive") to run the P
 class KernelCfg:
     """Per-kernel launch choice: warps, software-pipelining stages and, where the kernel has
     one, its column tile (``block``: BZ of the prep kernels, BV of the output/gradient kernels,
-    BV of the state pass; 0 means the Config's shared BZ / BV / BV_PASS)."""
+    BV of the state pass; 0 means the Config's shared BZ / BV / BV_PASS). ``maxnreg`` caps the
+    registers per thread (ptxas ``.maxnreg``; 0: the compiler's choice). The K = 32 kernels
+    are latency-bound at 1-2 warps per program and hold 235-255 registers per thread, which
+    leaves about 8 warps per SM; a cap trades spills (to L1) for more resident warps."""
 
     num_warps: int = 2
     num_stages: int = 1
     block: int = 0
+    maxnreg: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +81,12 @@ class Config:
     ≥ 4 warps fault on Hopper (check_large_head_launch refuses them all).
     lh_wu: on the large-head path, one more parallel kernel (``_lh_wu``, fla's recompute_w_u)
     writes W = T X and U = T Y (fp32, transient), and the passes load them instead of running
-    two dots with T per chunk on their sequential path."""
+    two dots with T per chunk on their sequential path.
+    t_bf16: with dot_bf16 on (so bf16 inputs), the dots with T = (I + A)⁻¹ and the key Gram
+    matrix of A also run on bf16 operands, as fla keeps its A in bf16. T's entries cancel when
+    keys collapse. On an H200 (eighth session): 4-6 % less time, collapsed-keys error 9.4e-3 ->
+    9.8e-3 at K = 32 (limit 0.02), and two 200-step training runs each ended a little higher
+    in loss with it; off in TABLE."""
 
     BT: int = 64
     BC: int = 16
@@ -105,6 +114,7 @@ class Config:
     lh_bwd_grads: KernelCfg = KernelCfg(2, 1)
     lh_wu_kernel: KernelCfg = KernelCfg(2, 1)
     lh_wu: bool = False
+    t_bf16: bool = False
 
     def __post_init__(self):
         # the large-head kernels hold BT × BT tiles (T, P, their gradients) in registers
@@ -150,7 +160,8 @@ KERNELS_LARGE_ALL = KERNELS_LARGE + ("lh_wu_kernel",)  # with Config.lh_wu
 # Tiles: BT for N·H ≥ 128 (sequences × heads), BT_FEW below that (the state pass is then short
 # of programs), BC, and BZ / BV / BV_PASS (0: derived, min(64, K + V) / min(V, 64) /
 # 16 for V ≤ 64 else 32; explicit values are clamped to the head dims). Per kernel
-# (num_warps, num_stages) or (num_warps, num_stages, block). `bench.py --tune` on a GPU
+# (num_warps, num_stages), (num_warps, num_stages, block) or (num_warps, num_stages, block,
+# maxnreg), block 0 meaning the shared tile (KernelCfg). `bench.py --tune` on a GPU
 # prints its winners in this format, to paste here. bwd_split picks the backward path
 # (False: _bwd_local; True: _bwd_dstate + _bwd_sub, on an H200 6 % faster at
 # (4,4096,40,32,32) but 20 % slower at 8x and 32K tokens, untuned: README "Split backward");
@@ -165,7 +176,8 @@ TABLE: dict[tuple[int, int], dict] = {
     # collapsed-keys error for the inverse, and a clean 200-step hymo_small run with bf16 dots
     # (fifth session, BENCHMARKS.md); the backward launches from the fifth session's retune with
     # these precisions at (1,32768,40) (three stages): GPU time -3 to -4 % at all three K = 32 shapes
-    # (sixth session)
+    # (sixth session). Not t_bf16 (eighth session): fwd+bwd -5 to -6 %, but 200-step hymo_small
+    # runs ended 0.070 and 0.017 higher in loss with it (seeds 42, 7), so it waits for more seeds
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 3, 64), bwd_local=(2, 3, 32),
@@ -203,7 +215,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
                   BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)),
                   dot_bf16=bool(entry.get("dot_bf16", False)), large_head=bool(entry.get("large_head", False)),
-                  lh_wu=bool(entry.get("lh_wu", False)),
+                  lh_wu=bool(entry.get("lh_wu", False)), t_bf16=bool(entry.get("t_bf16", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
@@ -258,6 +270,8 @@ def _varlen_tables(cu_seqlens: torch.Tensor, NC: int, BT: int):
 
 
 def _kw(kc: KernelCfg) -> dict:
+    if kc.maxnreg:
+        return dict(num_warps=kc.num_warps, num_stages=kc.num_stages, maxnreg=kc.maxnreg)
     return dict(num_warps=kc.num_warps, num_stages=kc.num_stages)
 
 
@@ -340,9 +354,11 @@ def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None =
 
 def _geom(p: Problem) -> dict:
     # PREC: the dots on inputs, states and their gradients; TPREC: those with T = (I + A)⁻¹ (its
-    # entries are sums that cancel when keys collapse, see _unit_lower_inverse: never rounded to bf16)
-    tprec = _prec(p.q.dtype)
-    prec = "bf16" if p.cfg.dot_bf16 and p.q.dtype == torch.bfloat16 else tprec
+    # entries are sums that cancel when keys collapse, see _unit_lower_inverse: rounded to bf16
+    # only with Config.t_bf16)
+    bf16 = p.q.dtype == torch.bfloat16
+    tprec = "bf16" if p.cfg.t_bf16 and p.cfg.dot_bf16 and bf16 else _prec(p.q.dtype)
+    prec = "bf16" if p.cfg.dot_bf16 and bf16 else _prec(p.q.dtype)
     return dict(H=p.H, K=p.K, BT=p.cfg.BT, BC=p.cfg.BC, IS_VARLEN=p.cu_seqlens is not None,
                 NORM_QK=p.norm, PREC=prec, TPREC=tprec)
 

@@ -14,7 +14,10 @@ fault is what it is for. On the CPU (TRITON_INTERPRET=1) it checks its own code 
 
 A launch set is comma-separated: ``warps=N`` (every large-head kernel), ``<kernel>=N`` for one
 kernel's warps (``lh_inverse``, ``lh_wu_kernel``, ``lh_fwd_h``, ``lh_fwd_o``, ``lh_bwd_dh``,
-``lh_bwd_grads``), ``BV=N`` (value columns per program) and ``lh_wu``. Unset: the Config defaults.
+``lh_bwd_grads``), ``BV=N`` (value columns per program), ``lh_wu`` and ``t_bf16`` (the dots with
+T on bf16 operands: no tf32 warpgroup MMAs left outside ``_lh_inverse``, the fault lead of
+kernels/gdn/README.md).
+Unset: the Config defaults.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def parse_launches(spec: str) -> Config:
     warps = {}
     for item in filter(None, spec.split(",")):
         name, _, value = item.partition("=")
-        if name == "lh_wu" and not value:
-            cfg = dataclasses.replace(cfg, lh_wu=True)
+        if name in ("lh_wu", "t_bf16") and not value:
+            cfg = dataclasses.replace(cfg, **{name: True})
         elif name == "BV" and value.isdigit():
             cfg = dataclasses.replace(cfg, BV=int(value))
         elif name == "warps" and value.isdigit():
@@ -54,7 +57,7 @@ def parse_launches(spec: str) -> Config:
         elif name in KERNELS and value.isdigit():
             warps[name] = int(value)
         else:
-            raise ValueError(f"bad launch-set item {item!r} in {spec!r}: use warps=N, BV=N, lh_wu or "
+            raise ValueError(f"bad launch-set item {item!r} in {spec!r}: use warps=N, BV=N, lh_wu, t_bf16 or "
                              f"<kernel>=N with a kernel from {KERNELS}")
     return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), num_warps=w) for k, w in warps.items()})
 

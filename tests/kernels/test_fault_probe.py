@@ -19,7 +19,8 @@ def test_parse_launches():
     assert cfg.large_head and cfg.lh_wu and cfg.BV == 64 and cfg.BT == 64
     assert cfg.lh_fwd_h == KernelCfg(8, 2) and cfg.lh_bwd_grads == KernelCfg(4, 1) and cfg.lh_inverse.num_warps == 4
     assert fp.parse_launches("") == fp.parse_launches("warps=2")  # the Config defaults are 2 warps
-    for bad in ("warps=four", "bogus=3", "lh_wu=1", "BV"):
+    assert not cfg.t_bf16 and fp.parse_launches("t_bf16").t_bf16
+    for bad in ("warps=four", "bogus=3", "lh_wu=1", "BV", "t_bf16=1"):
         with pytest.raises(ValueError, match="bad launch-set item"):
             fp.parse_launches(bad)
 

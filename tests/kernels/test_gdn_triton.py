@@ -256,15 +256,20 @@ def test_get_config_follows_table_edits(monkeypatch):
     (torch.float16, True, "tf32"), (torch.float32, True, "tf32x3"),
 ])
 def test_dot_precision_choice(dtype, dot_bf16, prec):
-    """Config.dot_bf16 rounds dot operands to bf16 only for bf16 inputs, and never the dots
-    with T = (I + A)⁻¹ (TPREC), whose entries cancel when keys collapse."""
+    """Config.dot_bf16 rounds dot operands to bf16 only for bf16 inputs; the dots with
+    T = (I + A)⁻¹ (TPREC), whose entries cancel when keys collapse, only with Config.t_bf16 too."""
     x = make_inputs(1, 20, 1, 16, 16, n_states=1, dtype=dtype)
     p = gdn_chunk.make_problem(x["q"], x["k"], x["v"], x["g"], x["beta"], None, 0.25, False,
-                               dataclasses.replace(gdn_chunk.get_config(16, 16), dot_bf16=dot_bf16))
+                               dataclasses.replace(gdn_chunk.get_config(16, 16), dot_bf16=dot_bf16, t_bf16=False))
     geom = gdn_chunk._geom(p)
     assert geom["PREC"] == prec
     assert geom["TPREC"] == ("tf32x3" if dtype == torch.float32 else "tf32")
     assert gdn_chunk.config_from_entry(16, 16, 256, dict(dot_bf16=True)).dot_bf16
+    # Config.t_bf16 takes T's dots to bf16 along with the others (dot_bf16, bf16 inputs) only
+    for t_bf16 in (False, True):
+        tb = gdn_chunk._geom(dataclasses.replace(p, cfg=dataclasses.replace(p.cfg, t_bf16=t_bf16)))
+        assert tb["TPREC"] == ("bf16" if t_bf16 and prec == "bf16" else geom["TPREC"]) and tb["PREC"] == prec
+    assert gdn_chunk.config_from_entry(16, 16, 256, dict(t_bf16=True)).t_bf16
 
 
 def test_launch_table(monkeypatch):
@@ -298,6 +303,23 @@ def test_launch_table(monkeypatch):
     assert gdn_chunk.get_config(128, 128).BT == 32
 
 
+def test_register_cap_launches():
+    """KernelCfg.maxnreg reaches the launch only when set, is read from a table entry's fourth
+    element, is set on every launched kernel by the nreg variants, and survives table_entry."""
+    assert gdn_chunk._kw(KernelCfg(1, 2, 32, 128)) == dict(num_warps=1, num_stages=2, maxnreg=128)
+    assert gdn_chunk._kw(KernelCfg(1, 2, 32)) == dict(num_warps=1, num_stages=2)
+    entry = dict(gdn_chunk.TABLE[(32, 32)], fwd_out=(1, 3, 32, 96), wy_inverse=(1, 1, 0, 64))
+    cfg = gdn_chunk.config_from_entry(32, 32, 256, entry)
+    assert (cfg.fwd_out, cfg.wy_inverse.maxnreg, cfg.bwd_local.maxnreg) == (KernelCfg(1, 3, 32, 96), 64, 0)
+    capped = bench.variant_config(cfg, "nreg128")
+    assert {getattr(capped, k).maxnreg for k in capped.kernels()} == {128}
+    assert capped.bwd_sub.maxnreg == 0 and capped.fwd_out.block == 32  # not launched by this path; tile kept
+    text = bench.table_entry(cfg, 32, 32, 256)
+    parsed = eval(text.split(": ", 1)[1].rstrip(","), {"dict": dict})  # noqa: S307 - our own output
+    again = gdn_chunk.config_from_entry(32, 32, 256, parsed)
+    assert (again.fwd_out, again.wy_inverse, again.bwd_local) == (cfg.fwd_out, cfg.wy_inverse, cfg.bwd_local)
+
+
 @pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
 def test_bench_tune_smoke(tmp_path, capsys):
     """bench.py --tune's code path (Case, per-kernel launches, parity, TABLE entry, JSON) on a
@@ -309,12 +331,14 @@ def test_bench_tune_smoke(tmp_path, capsys):
     out = tmp_path / "tune.json"
     try:
         bench.main(["--smoke", "--tune", "--shapes", "1,20,1,16,16", "--warps", "1", "--stages", "1,2",
-                    "--bts", "16,32", "--no-fla", "--jobs", "0", "--json", str(out)])
+                    "--nregs", "0,128", "--bts", "16,32", "--no-fla", "--jobs", "0", "--json", str(out)])
     finally:
         bench.DEVICE = "cuda"
     rec = json.loads(out.read_text())["shapes"]["1,20,1,16,16"]
     assert all(r["ok"] for r in rec["parity_default"] + rec["parity_tuned"] if "float32" in r["dtype"])
     assert set(rec["kernels"]) == set(gdn_chunk.KERNELS)
+    for k, rows in rec["kernels"].items():  # round C timed the register cap for every kernel
+        assert {r["cfg"]["maxnreg"] for r in rows} == {0, 128}, k
     assert rec["table_entry"].startswith("(16, 16): dict(BT=") and "bwd_split=False" in rec["table_entry"]
     assert "tune summary" in capsys.readouterr().out
 
