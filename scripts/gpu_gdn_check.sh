@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# The GDN kernel's GPU checks in one call: the GPU-marked kernel tests, then the benchmark with
-# the launch-table variants to compare (and the host probe with HOST_PROBE=1); a short table last.
+# The GDN kernel's GPU checks: the GPU-marked kernel tests, or the benchmark with the launch-table
+# variants to compare (and the host probe with HOST_PROBE=1); a short table last.
 #
 # For a machine with the repository copy but no HyMo install and no network (carry .whl/,
 # data/brown/, assets/tokenizer/ as for scripts/gpu_smoke.sh), e.g. the device tool:
-#   command "bash scripts/gpu_gdn_check.sh"  (results under $OUT when set, else outputs/gpu_gdn_check)
-# Environment: VARIANTS (bench.py --variants, default "default"; e.g. "default,large_head,large_head_wu":
-# the large-head path's fp32 parity at K = 128 runs 2-warp kernels that took minutes on an H200,
-# so add --no-parity to BENCH_ARGS there), SHAPES (default: the K = 128 issue shape, then HyMo's),
-# BENCH_S (the benchmark's time limit, default 180 s; it writes its JSON after every shape, so a
-# cut run keeps what it measured), BENCH_ARGS (more bench.py arguments, e.g. "--rounds 2"),
-# TESTS_S (the tests' limit, default 400 s: 25 took ~4 minutes in the sixth session, and the
-# large-head cases compile 2-warp kernels; a cut run says so in gpu_tests.log). If the second
-# shape is cut in a 10-minute device call, run it again with SHAPES=... TESTS=0.
+#   command "bash scripts/gpu_gdn_check.sh"                 the tests (results under $OUT when set,
+#   command "TESTS=0 BENCH=1 bash scripts/gpu_gdn_check.sh"  the benchmark   else outputs/gpu_gdn_check)
+# One 10-minute device call holds one of the two on a fresh machine, not both: the 27 GPU tests
+# took ~7.5 minutes there (eighth session: 26 in 400 s, then the Inductor test alone 30 s), and
+# the benchmark's first fla call compiles for minutes.
+# Environment: TESTS (default 1), TESTS_S (the tests' limit, default 540 s; a cut run says so in
+# gpu_tests.log), BENCH (default 0), VARIANTS (bench.py --variants, default "default"; e.g.
+# "default,large_head,large_head_wu": the large-head path's fp32 parity at K = 128 runs 2-warp
+# kernels that took minutes on an H200, so add --no-parity to BENCH_ARGS there), SHAPES (default:
+# the K = 128 issue shape, then HyMo's), BENCH_S (the benchmark's time limit, default 540 s; it
+# writes its JSON after every shape, so a cut run keeps what it measured), BENCH_ARGS (more
+# bench.py arguments, e.g. "--rounds 2").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,8 +23,8 @@ SITE=${SITE:-/tmp/site}
 RESULTS=${OUT:-outputs/gpu_gdn_check}
 VARIANTS=${VARIANTS:-default}
 SHAPES=${SHAPES:-4,4096,16,128,128 4,4096,40,32,32}
-BENCH_S=${BENCH_S:-180}
-TESTS_S=${TESTS_S:-400}
+BENCH_S=${BENCH_S:-540}
+TESTS_S=${TESTS_S:-540}
 mkdir -p "${RESULTS}"
 
 NAME=gpu_gdn_check . scripts/gpu_env.sh
@@ -30,20 +33,27 @@ nvidia-smi --query-gpu=name,memory.used,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout -k 5 "${TESTS_S}" python3 -m pytest -q -m gpu tests/kernels/test_gdn_triton.py -p no:cacheprovider -W ignore \
+    timeout -k 5 "${TESTS_S}" python3 -m pytest -v -m gpu tests/kernels/test_gdn_triton.py -p no:cacheprovider -W ignore \
         > "${RESULTS}/gpu_tests.log" 2>&1
     echo "gpu tests: exit $? ($(grep -E 'passed|failed|skipped|error' "${RESULTS}/gpu_tests.log" | tail -1))"
 fi
 
-# shellcheck disable=SC2086  # SHAPES and BENCH_ARGS are lists
-timeout -k 5 "${BENCH_S}" python3 -m hymo_kernels.gdn.bench --no-eager --fast-ref --variants "${VARIANTS}" \
-    --shapes ${SHAPES} ${BENCH_ARGS:-} --json "${RESULTS}/bench.json" > "${RESULTS}/bench.log" 2>&1
-echo "bench: exit $?"
+if [ "${BENCH:-0}" = 1 ]; then
+    # shellcheck disable=SC2086  # SHAPES and BENCH_ARGS are lists
+    timeout -k 5 "${BENCH_S}" python3 -m hymo_kernels.gdn.bench --no-eager --fast-ref --variants "${VARIANTS}" \
+        --shapes ${SHAPES} ${BENCH_ARGS:-} --json "${RESULTS}/bench.json" > "${RESULTS}/bench.log" 2>&1
+    echo "bench: exit $?"
+fi
 
 if [ "${HOST_PROBE:-0}" = 1 ]; then
     timeout -k 5 60 python3 -m hymo_kernels.gdn.host_probe 2>&1 | grep -v -i warn | tee "${RESULTS}/host_probe.log"
 fi
 
-grep -E "PASS|FAIL" "${RESULTS}/bench.log" | grep -v informational | head -24
-grep -E "kernel +[0-9.]+ ms" "${RESULTS}/bench.log" | head -40
-sed -n '/^# summary/,$p' "${RESULTS}/bench.log"
+if [ "${TESTS:-1}" = 1 ]; then
+    grep -E "FAILED|ERROR" "${RESULTS}/gpu_tests.log" | head -20
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+    grep -E "PASS|FAIL" "${RESULTS}/bench.log" | grep -v informational | head -24
+    grep -E "kernel +[0-9.]+ ms" "${RESULTS}/bench.log" | head -40
+    sed -n '/^# summary/,$p' "${RESULTS}/bench.log"
+fi
