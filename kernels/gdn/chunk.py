@@ -48,7 +48,8 @@ class KernelCfg:
     BV of the state pass; 0 means the Config's shared BZ / BV / BV_PASS). ``maxnreg`` caps the
     registers per thread (ptxas ``.maxnreg``; 0: the compiler's choice). The K = 32 kernels
     are latency-bound at 1-2 warps per program and hold 235-255 registers per thread, which
-    leaves about 8 warps per SM; a cap trades spills (to L1) for more resident warps."""
+    leaves about 8 warps per SM; a cap trades spills for more resident warps. On an H200 every
+    cap measured slower there (eighth session, BENCHMARKS.md), so no TABLE entry sets one."""
 
     num_warps: int = 2
     num_stages: int = 1
