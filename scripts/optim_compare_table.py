@@ -12,6 +12,10 @@ Columns, per run:
 - skipped: steps skipped for a non-finite loss or gradient;
 - MoE: mean max expert load (x the mean) and dropped fraction over the last 10 steps.
 Needs every step logged (--metrics.log_freq 1).
+
+Labels of the form NAME@SEED (scripts/gpu_ab_seeds.sh) also get a summary: per NAME the mean
+final loss and main CE over its seeds, and for two NAMEs the per-seed differences (second
+minus first) on the seeds both ran.
 """
 
 from __future__ import annotations
@@ -94,6 +98,30 @@ def main(argv: list[str]) -> None:
         print(f"{label:<24}{r['loss']:>11.4f}{r['main_ce']:>9.4f}{r['tps']:>10,.0f}"
               f"{r['step_s']:>10.3f}{r['opt_ms']:>15.1f}{r['opt_pct']:>10.1f}%"
               f"{r['skipped']:>9.0f}{r['max_load']:>10.2f}{r['dropped']:>9.3f}")
+    print_seed_summary(runs)
+
+
+def print_seed_summary(runs: list[tuple[str, dict]]) -> None:
+    """Means per NAME over the NAME@SEED rows, and the per-seed differences of two NAMEs."""
+    groups: dict[str, dict[str, dict]] = {}
+    for label, r in runs:
+        name, sep, seed = label.rpartition("@")
+        if sep and name:
+            groups.setdefault(name, {})[seed] = r
+    if not groups:
+        return
+    print("\nper setting, mean over seeds:")
+    for name, by_seed in groups.items():
+        print(f"{name:<24}{mean([r['loss'] for r in by_seed.values()]):>11.4f}"
+              f"{mean([r['main_ce'] for r in by_seed.values()]):>9.4f}   seeds {' '.join(by_seed)}")
+    if len(groups) == 2:
+        (na, a), (nb, b) = groups.items()
+        seeds = [x for x in a if x in b]
+        d = [b[x]["loss"] - a[x]["loss"] for x in seeds]
+        dce = [b[x]["main_ce"] - a[x]["main_ce"] for x in seeds]
+        if d:
+            print(f"{nb} minus {na}, final loss per seed: " + ", ".join(f"{x}: {v:+.4f}" for x, v in zip(seeds, d))
+                  + f"; mean {mean(d):+.4f} (min {min(d):+.4f}, max {max(d):+.4f}); main CE mean {mean(dce):+.4f}")
 
 
 if __name__ == "__main__":

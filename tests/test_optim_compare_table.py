@@ -55,3 +55,18 @@ def test_table_needs_every_step_logged(tmp_path):
         subprocess.run([sys.executable, "scripts/optim_compare_table.py", f"x={tmp_path}"],
                        cwd=REPO, capture_output=True, text=True, check=True)
     assert "log_freq 1" in e.value.stderr
+
+
+def test_seed_labels_get_means_and_paired_differences(tmp_path):
+    finals = {("base", "1"): 5.0, ("base", "2"): 6.0, ("try", "1"): 5.5, ("try", "2"): 5.9, ("try", "3"): 9.0}
+    args = []
+    for (name, seed), final in finals.items():
+        write_run(tmp_path / f"{name}{seed}", 12, lambda s, f=final: f, 5.0)
+        args.append(f"{name}@{seed}={tmp_path / f'{name}{seed}'}")
+    out = subprocess.run([sys.executable, "scripts/optim_compare_table.py", *args],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    means = {line.split()[0]: line.split()[1:3] for line in out.split("mean over seeds:")[1].splitlines()[1:3]}
+    assert means == {"base": ["5.5000", "4.5000"], "try": ["6.8000", "5.8000"]}
+    # seed 3 ran only with "try": the paired differences use seeds 1 and 2
+    assert "try minus base, final loss per seed: 1: +0.5000, 2: -0.1000; mean +0.2000" in out
+    assert "(min -0.1000, max +0.5000); main CE mean +0.2000" in out

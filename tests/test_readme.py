@@ -21,5 +21,5 @@ def test_ci_runs_the_readme_test_command():
 def test_scripts_are_executable():
     for script in ("run_train.sh", "scripts/setup.sh", "scripts/gpu_smoke.sh",
                    "scripts/gpu_optim_compare.sh", "scripts/gpu_scaling.sh",
-                   "scripts/gpu_nan_hunt.sh", ".ci/run"):
+                   "scripts/gpu_nan_hunt.sh", "scripts/gpu_ab_seeds.sh", ".ci/run"):
         assert (REPO / script).stat().st_mode & 0o111, script

@@ -37,7 +37,8 @@ class HymoModelArgs(BaseModelArgs):
     gdn_conv_size: int = 4  # short causal depthwise conv on q, k, v
     gdn_backend: str = "torch_chunk"  # "naive" | "torch_chunk" | "triton" (hymo_kernels.gdn)
     # operands of the Triton kernel's dots for bf16 inputs: "table" (its launch table's choice),
-    # "tf32" or "bf16" (hymo_kernels.gdn.chunk, Config.dot_bf16); the triton backend only
+    # "tf32", "bf16" or "bf16_t" (hymo_kernels.gdn GDN_DOT_PRECISIONS; Config.dot_bf16 and
+    # Config.t_bf16); the triton backend only
     gdn_dot_precision: str = "table"
     gdn_A_init_range: tuple[float, float] = (0.0, 16.0)  # A ~ U(lo, hi), A_log = log A
     gdn_dt_min: float = 1e-3  # dt ~ logU(dt_min, dt_max), dt_bias = softplus⁻¹(dt)

@@ -103,8 +103,7 @@ class GatedDeltaNet(nn.Module):
         # Resolved now so that a backend that cannot load fails at construction, not mid-run.
         self._rule = get_backend(args.gdn_backend)
         # the Triton kernel's dot operands; {} keeps its table's choice (and suits every backend)
-        dot_bf16 = GDN_DOT_PRECISIONS[args.gdn_dot_precision]
-        self._rule_kwargs = {} if dot_bf16 is None else {"dot_bf16": dot_bf16}
+        self._rule_kwargs = dict(GDN_DOT_PRECISIONS[args.gdn_dot_precision])
         self.A_init_range = args.gdn_A_init_range
         self.dt_init = (args.gdn_dt_min, args.gdn_dt_max, args.gdn_dt_init_floor)
 

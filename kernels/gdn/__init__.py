@@ -24,8 +24,14 @@ BACKENDS = {
     "triton": ("hymo_kernels.gdn.chunk", "chunk_gated_delta_rule"),
 }
 
-# gdn_dot_precision (model arg, [hymo] knob) -> the Triton op's dot_bf16 argument (None: its table)
-GDN_DOT_PRECISIONS = {"table": None, "tf32": False, "bf16": True}
+# gdn_dot_precision (model arg, [hymo] knob) -> the Triton op's precision arguments ({}: its table's
+# choices): tf32 dots; bf16 dots with T = (I + A)⁻¹'s in tf32; bf16 dots with T's too (Config.t_bf16)
+GDN_DOT_PRECISIONS = {
+    "table": {},
+    "tf32": {"dot_bf16": False},
+    "bf16": {"dot_bf16": True, "t_bf16": False},
+    "bf16_t": {"dot_bf16": True, "t_bf16": True},
+}
 
 
 def get_backend(name: str):

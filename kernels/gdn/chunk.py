@@ -337,12 +337,13 @@ def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
 
 
 def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None = None,
-                 dot_bf16: bool | None = None) -> Problem:
-    """dot_bf16 (not None) overrides the config's choice (the op's argument)."""
+                 dot_bf16: bool | None = None, t_bf16: bool | None = None) -> Problem:
+    """dot_bf16 and t_bf16 (not None) override the config's choices (the op's arguments)."""
     B, T, H, K, V, N, cfg0, _ = _common(q, v, cu_seqlens)
     cfg = cfg or cfg0
-    if dot_bf16 is not None:
-        cfg = dataclasses.replace(cfg, dot_bf16=dot_bf16)
+    given = {n: x for n, x in (("dot_bf16", dot_bf16), ("t_bf16", t_bf16)) if x is not None}
+    if given:
+        cfg = dataclasses.replace(cfg, **given)
     if cfg.large_head and q.is_cuda:
         check_large_head_launch(cfg, torch.cuda.get_device_capability(q.device))
     NC = _num_chunks(B, T, N, cu_seqlens is not None, cfg.BT)
@@ -554,8 +555,8 @@ def run_lh_bwd_grads(p: Problem, tinv, do, states, dstates, wu=None):
     return dq, dk, dv, dg, db
 
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None):
-    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None):
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16)
     if p.cfg.large_head:
         tinv = run_lh_inverse(p)
         wu = run_lh_wu(p, tinv) if p.cfg.lh_wu else None
@@ -571,8 +572,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, 
 
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
-              dot_bf16=None):
-    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16)
+              dot_bf16=None, t_bf16=None):
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16)
     if states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.t_width:
         raise RuntimeError(
             "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
@@ -610,17 +611,18 @@ def gdn_chunk_fwd(
     scale: float,
     use_qk_l2norm: bool,
     dot_bf16: bool | None = None,
+    t_bf16: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (o, final_state, and for the backward: saved states, sub-chunk inverses). The
     saved states are the chunk start states [NC, H, K, V], or with Config.bwd_split the start
     state of every sub-chunk [NC·BT/BC, H, K, V] (same schema; the shape follows the config)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    return _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16)
+    return _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16)
 
 
 @gdn_chunk_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None):
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
     return (
         v.new_empty(B, T, H, V),
@@ -646,17 +648,19 @@ def gdn_chunk_bwd(
     scale: float,
     use_qk_l2norm: bool,
     dot_bf16: bool | None = None,
+    t_bf16: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dg, dbeta, dh0); dh0 is computed whether or not h0 was given."""
     # gradients of a .sum() arrive as stride-0 expands
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
     return _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
-                     dot_bf16)
+                     dot_bf16, t_bf16)
 
 
 @gdn_chunk_bwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm, dot_bf16=None):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm, dot_bf16=None,
+      t_bf16=None):
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
@@ -665,11 +669,11 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16 = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16 = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, output[2], output[3])
     ctx.scale = scale
     ctx.use_qk_l2norm = use_qk_l2norm
-    ctx.dot_bf16 = dot_bf16
+    ctx.dot_bf16, ctx.t_bf16 = dot_bf16, t_bf16
     # no zero gradients for the outputs nobody differentiates (the saved states and T, often the
     # final state): autograd would fill them, ~60 MB per call at the HyMo shape
     ctx.set_materialize_grads(False)
@@ -682,8 +686,8 @@ def _input_grads(ctx, do, dht, bwd):
     dht = dht.contiguous() if dht is not None else None
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     dq, dk, dv, dg, db, dh0 = bwd(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, ctx.scale,
-                                  ctx.use_qk_l2norm, ctx.dot_bf16)
-    return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None
+                                  ctx.use_qk_l2norm, ctx.dot_bf16, ctx.t_bf16)
+    return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None
 
 
 def _autograd_backward(ctx, do, dht, _dstates, _dtinv):
@@ -700,12 +704,13 @@ class _EagerGDN(torch.autograd.Function):
     custom ops (chunk_gated_delta_rule picks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16):
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = initial_state.contiguous() if initial_state is not None else None
-        o, final_state, states, tinv = _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16)
+        o, final_state, states, tinv = _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16,
+                                                t_bf16)
         ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens, states, tinv)
-        ctx.scale, ctx.use_qk_l2norm, ctx.dot_bf16 = scale, use_qk_l2norm, dot_bf16
+        ctx.scale, ctx.use_qk_l2norm, ctx.dot_bf16, ctx.t_bf16 = scale, use_qk_l2norm, dot_bf16, t_bf16
         ctx.set_materialize_grads(False)
         return o, final_state
 
@@ -754,6 +759,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     dot_bf16: bool | None = None,
+    t_bf16: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, chunked Triton kernels with a hand-written backward.
 
@@ -775,6 +781,9 @@ def chunk_gated_delta_rule(
         dot_bf16: with bf16 inputs, run the dots on bf16 operands (``Config.dot_bf16``; not
             the WY inverse's): True, False, or None for the launch table's choice.
             Default: None.
+        t_bf16: with dot_bf16 on, the dots with T = (I + A)⁻¹ on bf16 operands too
+            (``Config.t_bf16``): True, False, or None for the launch table's choice.
+            Default: None.
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] fp32, or None.
@@ -793,7 +802,7 @@ def chunk_gated_delta_rule(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
     scale = K**-0.5 if scale is None else float(scale)
-    args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, dot_bf16)
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, dot_bf16, t_bf16)
     if torch.compiler.is_compiling():
         o, final_state, _, _ = gdn_chunk_fwd(*args)
     else:

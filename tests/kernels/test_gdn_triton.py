@@ -466,25 +466,31 @@ def test_eager_path_equals_custom_op_path(varlen, bwd_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("field", ["dot_bf16", "t_bf16"])
 @pytest.mark.parametrize("table", [False, True], ids=["table-off", "table-on"])
 @pytest.mark.parametrize("arg", [None, True, False])
-def test_dot_bf16_argument_reaches_every_launch(arg, table, monkeypatch):
-    """chunk_gated_delta_rule(dot_bf16=...) overrides the table in the forward and the backward;
-    None keeps the table's setting."""
-    monkeypatch.setitem(gdn_chunk.TABLE, (32, 32), dict(gdn_chunk.TABLE[(32, 32)], dot_bf16=table))
-    assert gdn_chunk.get_config(16, 16).dot_bf16 == table
+@pytest.mark.parametrize("via_custom_op", [False, True], ids=["eager", "custom-op"])
+def test_precision_arguments_reach_every_launch(field, arg, table, via_custom_op, monkeypatch):
+    """chunk_gated_delta_rule(dot_bf16=..., t_bf16=...) overrides the table in the forward and
+    the backward, on the eager path and through the custom ops; None keeps the table's setting."""
+    monkeypatch.setitem(gdn_chunk.TABLE, (32, 32), dict(gdn_chunk.TABLE[(32, 32)], **{field: table}))
+    assert getattr(gdn_chunk.get_config(16, 16), field) == table
     expected = table if arg is None else arg
     seen = []
     geom = gdn_chunk._geom
 
     def spy(p):
-        seen.append(p.cfg.dot_bf16)
+        seen.append(getattr(p.cfg, field))
         return geom(p)
 
     monkeypatch.setattr(gdn_chunk, "_geom", spy)
+    if via_custom_op:  # what torch.compile traces
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x = make_inputs(1, 20, 1, 16, 16, n_states=0, dtype=torch.float32)
     t = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
-    o, _ = chunk_gated_delta_rule(*t, dot_bf16=arg)
+    with _OpNames() as ops:
+        o, _ = chunk_gated_delta_rule(*t, **{field: arg})
+    assert ("hymo_kernels.gdn_chunk_fwd.default" in ops.names) == via_custom_op
     n_fwd = len(seen)
     o.sum().backward()
     assert n_fwd >= 3 and len(seen) > n_fwd and set(seen) == {expected}
@@ -498,10 +504,11 @@ def test_dispatcher_uses_the_kernel():
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
 
 
-def test_opcheck(bwd_path):
+@pytest.mark.parametrize("precisions", [(), (True, True)], ids=["table", "precision-args"])
+def test_opcheck(bwd_path, precisions):
     x = make_inputs(1, 19, 1, 16, 16, n_states=1, dtype=torch.float32)
     args = ([x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
-            + [x["h0"].clone().requires_grad_(), None, 0.25, False])
+            + [x["h0"].clone().requires_grad_(), None, 0.25, False, *precisions])
     torch.library.opcheck(torch.ops.hymo_kernels.gdn_chunk_fwd.default, args)
 
 

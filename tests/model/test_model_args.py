@@ -131,3 +131,15 @@ def test_update_from_config_applies_the_hymo_gdn_dot_precision_knob(tmp_path):
     jc.hymo = _hymo(gdn_backend="torch_chunk", gdn_dot_precision="bf16")
     with pytest.raises(ValueError, match="sets the Triton kernel's dots"):
         args.update_from_config(jc)
+
+
+def test_hymo_knob_choices_match_the_kernel_tables():
+    """The [hymo] knobs' choices are the kernel package's tables (plus "flavor" for the backend)."""
+    import typing
+
+    from hymo_kernels.gdn import BACKENDS, GDN_DOT_PRECISIONS
+    from hymo_recipes.job_config import Hymo
+
+    hints = typing.get_type_hints(Hymo)
+    assert set(typing.get_args(hints["gdn_dot_precision"])) == set(GDN_DOT_PRECISIONS)
+    assert set(typing.get_args(hints["gdn_backend"])) == set(BACKENDS) | {"flavor"}

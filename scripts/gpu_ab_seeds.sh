@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Two settings of one training config over several seeds, then one table
+# (scripts/optim_compare_table.py): every run's final loss, main CE, tokens/s, optimizer share,
+# skipped steps and MoE load, the mean per setting and the per-seed differences (B minus A).
+# For choices one seed cannot settle, e.g. the GDN kernel's T dots in bf16:
+#   A_NAME=bf16 A_ARGS="--hymo.gdn_dot_precision bf16" \
+#   B_NAME=bf16_t B_ARGS="--hymo.gdn_dot_precision bf16_t" bash scripts/gpu_ab_seeds.sh --training.seq_len 2048
+#
+# Environment: A_ARGS, B_ARGS (extra run_train.sh arguments of each setting; either may be
+# empty), A_NAME, B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"),
+# CONFIG (default train_configs/hymo_small.toml), STEPS (default 200), RUN_TIMEOUT (seconds per
+# run, default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
+# logged, no checkpoints. On two GPUs A runs on GPU 0 and B on GPU 1, seed by seed side by side;
+# on one GPU (or CPU) one after the other. A 200-step hymo_small run at seq 2048 took 65-115 s
+# on an H200 (eighth session, BENCHMARKS.md), so four seeds fit one 10-minute call on two GPUs.
+#
+# For a bare machine like scripts/gpu_smoke.sh: carry .whl/, data/brown/ and assets/tokenizer/
+# (results under $OUT when set, else outputs/gpu_ab_seeds). DRY=1 runs the same logic on CPU
+# with the debug config (4 steps, seeds "1 2", A_ARGS/B_ARGS as given).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SITE=${SITE:-/tmp/site}
+RESULTS=${OUT:-outputs/gpu_ab_seeds}
+RUN_DIR=${RUN_DIR:-outputs/gpu_ab_seeds_run}
+RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+A_NAME=${A_NAME:-A}
+B_NAME=${B_NAME:-B}
+read -r -a A_EXTRA <<< "${A_ARGS:-}"
+read -r -a B_EXTRA <<< "${B_ARGS:-}"
+if [ "${DRY:-0}" = 1 ]; then
+    CONFIG=${CONFIG:-train_configs/debug_model.toml} STEPS=${STEPS:-4} SEEDS=${SEEDS:-1 2}
+    EXTRA=(--validation.no-enable)
+else
+    CONFIG=${CONFIG:-train_configs/hymo_small.toml} STEPS=${STEPS:-200} SEEDS=${SEEDS:-1 2 3 4}
+    EXTRA=()
+fi
+for name in "${A_NAME}" "${B_NAME}"; do  # labels become file names (logs, run folders)
+    [[ "${name}" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "gpu_ab_seeds: bad label '${name}': use letters, digits, _ . -" >&2; exit 2; }
+done
+[ "${A_NAME}" != "${B_NAME}" ] || { echo "gpu_ab_seeds: A_NAME and B_NAME are both '${A_NAME}'" >&2; exit 2; }
+mkdir -p "${RESULTS}"
+
+NAME=gpu_ab_seeds . scripts/gpu_env.sh
+python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__)"
+
+status=0
+run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run folder
+    local label=$1 gpu=$2 seed=$3; shift 3
+    rm -rf "${RUN_DIR:?}/${label}"
+    local start=$SECONDS
+    set +e
+    CUDA_VISIBLE_DEVICES=${gpu} NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" timeout "${RUN_TIMEOUT}" ./run_train.sh \
+        --training.steps "${STEPS}" --metrics.log_freq 1 --debug.seed "${seed}" --checkpoint.no-enable \
+        --job.dump_folder "${RUN_DIR}/${label}" ${EXTRA[@]+"${EXTRA[@]}"} "$@" > "${RESULTS}/${label}.log" 2>&1
+    local rc=$?
+    set -e
+    echo "${label}: exit ${rc}, $((SECONDS - start)) s wall"
+    if [ "${rc}" -ne 0 ]; then
+        tail -n 30 "${RESULTS}/${label}.log" | sed -E 's/\x1b\[[0-9;]*m//g'
+    fi
+    cp -r "${RUN_DIR}/${label}/tb" "${RESULTS}/tb_${label}" 2>/dev/null || true
+    return "${rc}"
+}
+
+two_gpus=0
+if [ "${DRY:-0}" != 1 ] && [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ]; then
+    two_gpus=1
+fi
+labels=()
+for seed in ${SEEDS}; do
+    a="${A_NAME}_s${seed}" b="${B_NAME}_s${seed}"
+    if [ "${two_gpus}" = 1 ]; then
+        run "${a}" 0 "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pid=$!
+        run "${b}" 1 "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
+        wait "${pid}" || status=$?
+    else
+        run "${a}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" || status=$?
+        run "${b}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
+    fi
+    labels+=("${A_NAME}@${seed}=${RUN_DIR}/${a}" "${B_NAME}@${seed}=${RUN_DIR}/${b}")
+done
+
+echo "================ gpu_ab_seeds: ${CONFIG}, ${STEPS} steps, seeds ${SEEDS} ================"
+echo "${A_NAME}: ${A_ARGS:-(no extra arguments)}"
+echo "${B_NAME}: ${B_ARGS:-(no extra arguments)}"
+python3 scripts/optim_compare_table.py "${labels[@]}" | tee "${RESULTS}/table.txt" || status=1
+exit "${status}"
