@@ -512,15 +512,17 @@ def test_opcheck(bwd_path, precisions):
     torch.library.opcheck(torch.ops.hymo_kernels.gdn_chunk_fwd.default, args)
 
 
+@pytest.mark.parametrize("precisions", [{}, dict(dot_bf16=True, t_bf16=True)], ids=["table", "precision-args"])
 @pytest.mark.parametrize("large_head", [False, True], ids=["table-path", "large-head"])
-def test_compile_fullgraph_matches_eager(bwd_path, large_head, tuning):
-    """torch.compile(fullgraph=True) traces through the custom ops (no graph break)."""
+def test_compile_fullgraph_matches_eager(bwd_path, large_head, precisions, tuning):
+    """torch.compile(fullgraph=True) traces through the custom ops (no graph break), also with
+    the op's keyword arguments (gdn_dot_precision other than "table")."""
     if large_head:
         tuning[(16, 16)] = Config(BT=32, BC=16, BV=16, large_head=True)
     x = make_inputs(1, 33, 2, 16, 16, n_states=1, dtype=torch.float32)
 
     def f(q, k, v, g, beta, h0):
-        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, **precisions)
         return (o * o).sum() + ht.sum()
 
     names = ("q", "k", "v", "g", "beta", "h0")
