@@ -42,6 +42,9 @@ done
 mkdir -p "${RESULTS}"
 
 NAME=gpu_ab_seeds . scripts/gpu_env.sh
+if [ "${DRY:-0}" != 1 ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
 python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__)"
 
 status=0
