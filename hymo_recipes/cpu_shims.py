@@ -12,6 +12,9 @@ site-packages, and only when no accelerator is present (on a GPU machine nothing
    which ``torch.cpu`` lacks: ``install()`` adds them, reporting the process's resident memory.
 3. ``set_pg_timeouts`` (after step 1) calls ``barrier(device_ids=["cpu"])``, which gloo
    rejects: ``install()`` swaps in a copy that calls ``barrier()`` without device ids.
+4. ``--profiling.enable_profiling`` passes ``[ProfilerActivity.CPU, None]`` to
+   ``torch.profiler.profile`` when there is no GPU, which raises a TypeError: ``install()``
+   wraps the Trainer's ``maybe_enable_profiling`` so that the None is dropped.
 
 The fourth CPU difference, gloo's lack of PREMUL_SUM for FSDP2's gradient reduction, is handled
 in ``parallelize.py`` on every backend (force plain SUM: same numbers).
@@ -19,6 +22,7 @@ in ``parallelize.py`` on every backend (force plain SUM: same numbers).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from types import SimpleNamespace
@@ -105,8 +109,34 @@ def _set_pg_timeouts_cpu(timeout, parallel_dims):
         torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+# --- shim 4: the profiler with the CPU activity only ---------------------------------------
+
+def _cpu_profiling(original):
+    """TorchTitan's maybe_enable_profiling, with None dropped from the profiler's activities."""
+    if getattr(original, "_hymo_cpu_shim", False):
+        return original
+
+    @contextlib.contextmanager
+    def maybe_enable_profiling(*args, **kwargs):
+        real = torch.profiler.profile
+
+        def profile(*a, activities=None, **kw):
+            return real(*a, activities=[x for x in activities or () if x is not None] or None, **kw)
+
+        torch.profiler.profile = profile
+        try:
+            with original(*args, **kwargs) as prof:
+                torch.profiler.profile = real
+                yield prof
+        finally:
+            torch.profiler.profile = real
+
+    maybe_enable_profiling._hymo_cpu_shim = True
+    return maybe_enable_profiling
+
+
 def install() -> None:
-    """Applies shims 2 and 3 (and checks 1). A no-op where an accelerator is present."""
+    """Applies shims 2, 3 and 4 (and checks 1). A no-op where an accelerator is present."""
     if not no_accelerator():
         return
     from hymo_recipes import _titan
@@ -122,3 +152,5 @@ def install() -> None:
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
     _titan.dist_utils.set_pg_timeouts = _set_pg_timeouts_cpu
+    trainer_module = sys.modules[_titan.Trainer.__module__]
+    trainer_module.maybe_enable_profiling = _cpu_profiling(trainer_module.maybe_enable_profiling)
