@@ -195,9 +195,10 @@ VARIANTS = {
     # sixth session adopted the fifth session's retune
     "pre_retune32": dict(bwd_prep=KernelCfg(1, 2, 64), bwd_local=KernelCfg(2, 2, 32), bwd_dstate=KernelCfg(1, 2, 32),
                          bwd_sub=KernelCfg(2, 1, 32)),
-    # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; off in the table:
-    # 4-6 % faster, a little higher loss in two short training runs, eighth session)
+    # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; 4-6 % faster, eighth
+    # session; in the K = 32 and K = 128 entries since the ninth), or in tf32 (the table before)
     "tbf16": dict(t_bf16=True),
+    "ttf32": dict(t_bf16=False),
     # a register cap (KernelCfg.maxnreg) on every kernel the config launches: fewer registers per
     # thread, more resident warps per SM for the latency-bound kernels, some spills
     "nreg168": dict(maxnreg=168),

@@ -86,8 +86,8 @@ class Config:
     t_bf16: with dot_bf16 on (so bf16 inputs), the dots with T = (I + A)⁻¹ and the key Gram
     matrix of A also run on bf16 operands, as fla keeps its A in bf16. T's entries cancel when
     keys collapse. On an H200 (eighth session): 4-6 % less time, collapsed-keys error 9.4e-3 ->
-    9.8e-3 at K = 32 (limit 0.02), and two 200-step training runs each ended a little higher
-    in loss with it; off in TABLE."""
+    9.8e-3 at K = 32 (limit 0.02); 200-step training runs with and without it end level (six
+    seeds, ninth session). On in the K = 32 and K = 128 entries of TABLE."""
 
     BT: int = 64
     BC: int = 16
@@ -177,18 +177,21 @@ TABLE: dict[tuple[int, int], dict] = {
     # collapsed-keys error for the inverse, and a clean 200-step hymo_small run with bf16 dots
     # (fifth session, BENCHMARKS.md); the backward launches from the fifth session's retune with
     # these precisions at (1,32768,40) (three stages): GPU time -3 to -4 % at all three K = 32 shapes
-    # (sixth session). Not t_bf16 (eighth session): fwd+bwd -5 to -6 %, but 200-step hymo_small
-    # runs ended 0.070 and 0.017 higher in loss with it (seeds 42, 7), so it waits for more seeds
+    # (sixth session). t_bf16: fwd+bwd -4 to -6 % at all four shapes (eighth session); 200-step
+    # hymo_small runs with and without it end level (final loss mean over seeds 1-4 -0.001, over
+    # those and seeds 42, 7 +0.014 with a per-seed spread of 0.03; ninth session, BENCHMARKS.md)
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 3, 64), bwd_local=(2, 3, 32),
-                   bwd_split=False, dot_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32), bwd_sub=(1, 1, 32)),
+                   bwd_split=False, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32),
+                   bwd_sub=(1, 1, 32)),
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
-    # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; BENCHMARKS.md)
+    # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; t_bf16 5.59 -> 5.35, eighth session;
+    # BENCHMARKS.md)
     (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, dot_bf16=True,
-                     inverse_prec="tf32x3",
+                     t_bf16=True, inverse_prec="tf32x3",
                      wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 1, 128),
                      bwd_prep=(8, 3, 128), bwd_local=(8, 2, 128), bwd_dstate=(4, 3, 64), bwd_sub=(8, 1, 64)),
     (256, 256): _UNTUNED,

@@ -26,10 +26,10 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
 
 For K ≥ 64 there is a second path (``Config.large_head``, ``large_head_kernels.py``): whole
 64-token chunks, a sequential pass per value block and parallel gradient kernels, as fla does
-for large heads; built and checked on the CPU in the sixth session, not timed yet.
+for large heads; built in the sixth session, timed in the seventh: slower, off in the table.
 
-Measured on an H200 (BENCHMARKS.md, sixth session): 2.0-3.4× faster than fla-core 0.6 fwd+bwd
-at K = V = 32 (1.4-2.1× by GPU time), well short of the 8× goal, and 1.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
+Measured on an H200 (BENCHMARKS.md, ninth session): 2.0-3.1× faster than fla-core 0.6 fwd+bwd
+at K = V = 32 (1.5-2.2× by GPU time), well short of the 8× goal, and 1.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
 dependent dots, reductions and layout conversions at 1-2 warps per program, so the kernels
 are latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
 """

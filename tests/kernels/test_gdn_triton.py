@@ -278,6 +278,9 @@ def test_launch_table(monkeypatch):
     assert (cfg.BT, cfg.BC, cfg.BZ, cfg.BV, cfg.BV_PASS) == (128, 16, 64, 32, 16)
     assert cfg.wy_inverse == KernelCfg(1, 1) and cfg.bwd_local == KernelCfg(2, 3, 32)
     assert cfg.state_pass == KernelCfg(4, 3, 16)
+    # bf16 dot operands, T's dots too (ninth session); the inverse's products in three-pass tf32
+    assert cfg.dot_bf16 and cfg.t_bf16 and cfg.inverse_prec == "tf32x3"
+    assert gdn_chunk.get_config(128, 128, 64).t_bf16 and not gdn_chunk.get_config(64, 64).t_bf16
     # the split backward is an alternative, off until the GPU has measured it
     assert not cfg.bwd_split and cfg.slots == 1 and cfg.kernels() == gdn_chunk.KERNELS_LOCAL
     assert cfg.tile("bwd_dstate") == 32 and cfg.tile("bwd_sub") == 32
