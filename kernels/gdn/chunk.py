@@ -177,7 +177,7 @@ TABLE: dict[tuple[int, int], dict] = {
     # collapsed-keys error for the inverse, and a clean 200-step hymo_small run with bf16 dots
     # (fifth session, BENCHMARKS.md); the backward launches from the fifth session's retune with
     # these precisions at (1,32768,40) (three stages): GPU time -3 to -4 % at all three K = 32 shapes
-    # (sixth session). t_bf16: fwd+bwd -4 to -6 % at all four shapes (eighth session); 200-step
+    # (sixth session). t_bf16: fwd+bwd -5 to -6 % at K = 32 (eighth and ninth sessions); 200-step
     # hymo_small runs with and without it end level (final loss mean over seeds 1-4 -0.001, over
     # those and seeds 42, 7 +0.014 with a per-seed spread of 0.03; ninth session, BENCHMARKS.md)
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
@@ -188,7 +188,7 @@ TABLE: dict[tuple[int, int], dict] = {
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
-    # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; t_bf16 5.59 -> 5.35, eighth session;
+    # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; t_bf16 5.59 -> 5.35 and 5.52 -> 5.38, eighth and ninth sessions;
     # BENCHMARKS.md)
     (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, dot_bf16=True,
                      t_bf16=True, inverse_prec="tf32x3",
