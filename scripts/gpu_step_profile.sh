@@ -5,6 +5,7 @@
 # NCCL, copies; what the optimizer step launched; the longest kernels).
 #   bash scripts/gpu_step_profile.sh                       # hymo_750m, one microbatch per step
 #   CONFIG=train_configs/hymo_small.toml bash scripts/gpu_step_profile.sh
+#   GLOBAL_BATCH=16 bash scripts/gpu_step_profile.sh --training.local_batch_size 16   # bigger microbatch
 #
 # Environment: CONFIG (default train_configs/hymo_750m.toml), STEPS (default 8: steps 1-4 take
 # the compiles, 5-7 warm the profiler, step STEPS is traced), GLOBAL_BATCH (default: the

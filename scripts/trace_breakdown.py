@@ -98,7 +98,7 @@ def breakdown(trace: dict) -> dict:
         if part:
             span = (max(e["ts"] + e["dur"] for e in part) - min(e["ts"] for e in part)) / 1e3
             if phase.startswith("outside") and "inside Optimizer.step" in phases:
-                # the optimizer's kernels run as one block inside the step: the rest of the step is the rest
+                # the optimizer's kernels run as one block: the rest of the step's span is everything else
                 span = phases["step"]["span_ms"] - phases["inside Optimizer.step"]["span_ms"]
             phases[phase] = dict(busy_ms=_union_ms([(e["ts"], e["ts"] + e["dur"]) for e in part]), span_ms=span,
                                  n=len(part))
