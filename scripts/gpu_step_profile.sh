@@ -5,11 +5,12 @@
 # NCCL, copies; what the optimizer step launched; the longest kernels).
 #   bash scripts/gpu_step_profile.sh                       # hymo_750m, one microbatch per step
 #   CONFIG=train_configs/hymo_small.toml bash scripts/gpu_step_profile.sh
-#   GLOBAL_BATCH=16 bash scripts/gpu_step_profile.sh --training.local_batch_size 16   # bigger microbatch
+#   bash scripts/gpu_step_profile.sh --training.local_batch_size 16   # a bigger microbatch
 #
 # Environment: CONFIG (default train_configs/hymo_750m.toml), STEPS (default 8: steps 1-4 take
-# the compiles, 5-7 warm the profiler, step STEPS is traced), GLOBAL_BATCH (default: the
-# config's local batch, so one microbatch per step; "config" keeps the config's global batch),
+# the compiles, 5-7 warm the profiler, step STEPS is traced), GLOBAL_BATCH (default: the local
+# batch, from --training.local_batch_size or the config, so one microbatch per step; "config"
+# keeps the config's global batch),
 # RUN_TIMEOUT (seconds, default 400). Extra arguments go to run_train.sh. No checkpoints.
 # For a bare machine like scripts/gpu_smoke.sh: carry .whl/, data/brown/ and
 # assets/tokenizer/ (results under $OUT when set, else outputs/gpu_step_profile). DRY=1 runs the
@@ -39,7 +40,15 @@ python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, 
 
 BATCH=()
 if [ "${GLOBAL_BATCH:-}" != config ]; then
-    local_batch=$(python3 -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb'))['training'].get('local_batch_size', 8))" "${CONFIG}")
+    # the local batch: from the arguments if they set it, else the config's (TorchTitan's default 8)
+    local_batch=$(python3 -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb')).get('training', {}).get('local_batch_size', 8))" "${CONFIG}")
+    args=("$@")
+    for i in "${!args[@]}"; do
+        case "${args[$i]}" in
+            --training.local_batch_size) local_batch=${args[$((i + 1))]:-${local_batch}} ;;
+            --training.local_batch_size=*) local_batch=${args[$i]#*=} ;;
+        esac
+    done
     BATCH=(--training.global_batch_size "${GLOBAL_BATCH:-${local_batch}}")
 fi
 mkdir -p "${RESULTS}"

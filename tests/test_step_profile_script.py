@@ -8,13 +8,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_script(tmp_path, **env):
+def run_script(tmp_path, *args, **env):
     full = dict(os.environ, DRY="1", OUT=str(tmp_path / "out"), RUN_DIR=str(tmp_path / "runs"), **env)
-    return subprocess.run(["bash", "scripts/gpu_step_profile.sh"], cwd=REPO, env=full, capture_output=True, text=True)
+    return subprocess.run(["bash", "scripts/gpu_step_profile.sh", *args], cwd=REPO, env=full, capture_output=True,
+                          text=True)
 
 
 def test_profiled_run_writes_the_last_steps_trace(tmp_path):
-    res = run_script(tmp_path)
+    res = run_script(tmp_path, "--training.local_batch_size", "2")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     trace = tmp_path / "runs" / "debug_model" / "profile_traces" / "iteration_5" / "rank0_trace.json"
     assert f"trace: {trace})" in res.stdout
@@ -24,6 +25,8 @@ def test_profiled_run_writes_the_last_steps_trace(tmp_path):
     assert sum(n.startswith("ProfilerStep#") for n in names) == 1
     log = (tmp_path / "out" / "debug_model.log").read_text()
     assert "step:  5" in log and "Dumping profiler traces at step 5" in log
+    # one microbatch per step: the global batch follows the local batch given on the command line
+    assert "local batch size 2, global batch size 2, gradient accumulation steps 1" in log
 
 
 def test_bad_input_is_refused_before_any_run(tmp_path):
