@@ -7,7 +7,8 @@
 #   command "bash scripts/gpu_gdn_check.sh"                 the tests (results under $OUT when set,
 #   command "TESTS=0 BENCH=1 bash scripts/gpu_gdn_check.sh"  the benchmark   else outputs/gpu_gdn_check)
 # One 10-minute device call holds one of the two on a fresh machine, not both: the 27 GPU tests
-# took 6.5-7 minutes there (eighth session: 393 s for all 27; 26 in 400 s, then the Inductor test 30 s), and
+# took 5.7-7 minutes there (eighth session: 393 s for all 27; 26 in 400 s, then the Inductor test 30 s;
+# ninth: 343 s), and
 # the benchmark's first fla call compiles for minutes.
 # Environment: TESTS (default 1), TESTS_S (the tests' limit, default 540 s; a cut run says so in
 # gpu_tests.log), BENCH (default 0), VARIANTS (bench.py --variants, default "default"; e.g.

@@ -679,14 +679,11 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     rec["default"] = dataclasses.asdict(base)
     log(f"  default: {base}")
     warps = [int(w) for w in args.warps.split(",")]
-    if base.large_head and DEVICE == "cuda":
-        try:  # the tuner swaps launches inside one Problem: drop those the launch check refuses
-            gdn_chunk.check_large_head_launch(dataclasses.replace(base, lh_fwd_h=KernelCfg(4, 1)),
-                                              torch.cuda.get_device_capability())
-        except RuntimeError:
-            warps = [w for w in warps if w < 4]
-            log(f"  warps {warps} only: the large-head kernels fault with >= 4 warps on this GPU "
-                "(chunk.check_large_head_launch)")
+    limit = gdn_chunk.large_head_warp_limit(torch.cuda.get_device_capability()) if DEVICE == "cuda" else None
+    if base.large_head and limit is not None:  # the tuner swaps launches inside one Problem: skip refused ones
+        warps = [w for w in warps if w <= limit]
+        log(f"  warps {warps} only: the large-head kernels fault with more than {limit} warps on this GPU "
+            "(chunk.check_large_head_launch)")
     stages = [int(s) for s in args.stages.split(",")]
     bts = [bt for bt in (int(b) for b in args.bts.split(","))
            if bt % base.BC == 0 and (bt <= 128 or not base.large_head)]

@@ -274,9 +274,10 @@ def _varlen_tables(cu_seqlens: torch.Tensor, NC: int, BT: int):
 
 
 def _kw(kc: KernelCfg) -> dict:
+    kw = dict(num_warps=kc.num_warps, num_stages=kc.num_stages)
     if kc.maxnreg:
-        return dict(num_warps=kc.num_warps, num_stages=kc.num_stages, maxnreg=kc.maxnreg)
-    return dict(num_warps=kc.num_warps, num_stages=kc.num_stages)
+        kw["maxnreg"] = kc.maxnreg
+    return kw
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -321,6 +322,12 @@ class Problem:
     offs: torch.Tensor
 
 
+def large_head_warp_limit(capability: tuple[int, int]) -> int | None:
+    """The most warps a large-head kernel may launch with on a GPU of this compute capability
+    (None: no limit); see check_large_head_launch."""
+    return 2 if capability == (9, 0) else None
+
+
 def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
     """Refuse large-head launches with ≥ 4 warps on Hopper (sm_90): on an H200 with Triton 3.6
     most of them fault with an illegal memory access (K = 32 with 32-column value blocks at 4
@@ -329,9 +336,10 @@ def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
     fla avoids the same way on Hopper (its issues #640 and #984, the latter still with Triton
     3.7.1: 2 warps, or no 8 warps). Two warps (the Config defaults) run no warpgroup MMAs and
     passed parity there. A fault poisons the process's CUDA context, hence an error up front."""
-    if not cfg.large_head or capability != (9, 0):
+    limit = large_head_warp_limit(capability)
+    if not cfg.large_head or limit is None:
         return
-    wide = [n for n in cfg.kernels() if getattr(cfg, n).num_warps >= 4]
+    wide = [n for n in cfg.kernels() if getattr(cfg, n).num_warps > limit]
     if wide:
         raise RuntimeError(
             f"the large-head GDN kernels {wide} are set to >= 4 warps, which fault (illegal memory access) "
