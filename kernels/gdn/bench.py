@@ -175,6 +175,9 @@ class variant:
 
 
 # --variants: name -> Config fields replaced on top of the table's (or --tuning's) config
+# the split gradient stage's kernels (and the inverse it needs) at 4 warps, 32-column key blocks
+_LH_WIDE = dict(lh_inverse=KernelCfg(4, 1), lh_bwd_dv=KernelCfg(4, 1), lh_bwd_dqk=KernelCfg(4, 1, 32),
+                lh_bwd_finish=KernelCfg(4, 1))
 VARIANTS = {
     "default": {},
     "local": dict(bwd_split=False),
@@ -191,6 +194,20 @@ VARIANTS = {
     # H200 (seventh session, kernels/gdn/README.md)
     "large_head": dict(large_head=True, BT=64),
     "large_head_wu": dict(large_head=True, BT=64, lh_wu=True),
+    # the gradient stage split in three kernels (Config.lh_split, fla's split of its dq/dk kernel
+    # over key blocks): on the large-head path, and on the table's path instead of _bwd_local
+    # (64-token chunks), at the 2-warp defaults. Slower than the default everywhere on an H200
+    # (tenth session, kernels/gdn/README.md). tab_lh_w4 (4 warps) is refused on Hopper by the
+    # launch check: at K = 32 it passed fault_probe and was timed with the check lifted; at
+    # K = 128 its 4-warp kernels fault
+    "lh_split": dict(large_head=True, BT=64, lh_split=True),
+    "tab_lh": dict(BT=64, lh_split=True),
+    "tab_lh_w4": dict(BT=64, lh_split=True, **_LH_WIDE),
+    # the same at 2 warps with ptxas held to 255 registers: without the cap, Triton 3.6's ptxas
+    # gives some 2-warp large-head kernels 32 registers and kilobytes of spills (tenth session)
+    "lh_split_r255": dict(large_head=True, BT=64, lh_split=True, maxnreg=255),
+    "tab_lh_r255": dict(BT=64, lh_split=True, maxnreg=255),
+    "large_head_r255": dict(large_head=True, BT=64, maxnreg=255),
     # K = 32 shapes only (it sets K = 32 launches): the backward launches of the table before the
     # sixth session adopted the fifth session's retune
     "pre_retune32": dict(bwd_prep=KernelCfg(1, 2, 64), bwd_local=KernelCfg(2, 2, 32), bwd_dstate=KernelCfg(1, 2, 32),
@@ -407,7 +424,7 @@ TUNE_SHAPES = [(4, 4096, 16, 128, 128), (4, 4096, 40, 32, 32), (1, 32768, 40, 32
 FLA_NOTES_MS = {(4, 4096, 40, 32, 32): 2.922, (1, 32768, 40, 32, 32): 4.327, (8, 4096, 40, 32, 32): 4.054,
                 (4, 4096, 16, 128, 128): 3.16}
 _TILED = {"fwd_prep", "bwd_prep", "fwd_out", "bwd_local", "bwd_dstate", "bwd_sub", "state_pass",
-          "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads", "lh_wu_kernel"}
+          "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads", "lh_wu_kernel", "lh_bwd_dv", "lh_bwd_dqk"}
 
 
 class Deadline:

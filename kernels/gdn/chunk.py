@@ -83,6 +83,15 @@ class Config:
     lh_wu: on the large-head path, one more parallel kernel (``_lh_wu``, fla's recompute_w_u)
     writes W = T X and U = T Y (fp32, transient), and the passes load them instead of running
     two dots with T per chunk on their sequential path.
+    lh_split: the large-head path's gradient stage as three kernels instead of
+    ``_lh_bwd_grads`` (which spills at K = 128): ``_lh_bwd_dv`` (chunk, head, value block: the
+    dots that need all K columns, and dv), ``_lh_bwd_dqk`` (key block, chunk, head, as fla
+    splits its dq/dk kernel: dq and dk in fp32, shares of the sums over K) and
+    ``_lh_bwd_finish`` (chunk, head: the shares summed, dg's reverse cumsum, the l2norm
+    backward). With large_head off it replaces ``_bwd_local`` on the default path, after
+    ``_lh_inverse`` has built the chunk-wide T there (BT ≤ 128). Off in TABLE: slower than
+    ``_bwd_local`` on an H200 at K = 32 and 128 (tenth session, kernels/gdn/README.md), and its
+    4-warp launches fault at K = 128 there.
     t_bf16: with dot_bf16 on (so bf16 inputs), the dots with T = (I + A)⁻¹ and the key Gram
     matrix of A also run on bf16 operands, as fla keeps its A in bf16. T's entries cancel when
     keys collapse. On an H200 (eighth session): 4-6 % less time, collapsed-keys error 9.4e-3 ->
@@ -116,25 +125,35 @@ class Config:
     lh_wu_kernel: KernelCfg = KernelCfg(2, 1)
     lh_wu: bool = False
     t_bf16: bool = False
+    lh_bwd_dv: KernelCfg = KernelCfg(2, 1)
+    lh_bwd_dqk: KernelCfg = KernelCfg(2, 1)  # block: the key columns per program (BK)
+    lh_bwd_finish: KernelCfg = KernelCfg(2, 1)
+    lh_split: bool = False
 
     def __post_init__(self):
         # the large-head kernels hold BT × BT tiles (T, P, their gradients) in registers
-        if self.large_head and not (self.BC <= self.BT <= 128):
-            raise ValueError(f"large_head needs BC <= BT <= 128 (BT × BT tiles), got BT = {self.BT}; "
+        if (self.large_head or self.lh_split) and not (self.BC <= self.BT <= 128):
+            raise ValueError(f"large_head and lh_split need BC <= BT <= 128 (BT × BT tiles), got BT = {self.BT}; "
                              "set BT (and BT_FEW in a TABLE entry) to 64")
+        if self.lh_split and self.bwd_split:
+            raise ValueError("lh_split and bwd_split both replace _bwd_local: turn one of them off")
 
     def tile(self, kernel: str) -> int:
         """The column tile that `kernel` runs with (0 for the inverse kernel, which has none)."""
         shared = {"fwd_prep": self.BZ, "bwd_prep": self.BZ, "fwd_out": self.BV, "bwd_local": self.BV,
                   "bwd_dstate": self.BV, "bwd_sub": self.BV, "state_pass": self.BV_PASS,
                   "lh_fwd_h": self.BV, "lh_fwd_o": self.BV, "lh_bwd_dh": self.BV,
-                  "lh_bwd_grads": self.BV, "lh_wu_kernel": self.BV}.get(kernel, 0)
+                  "lh_bwd_grads": self.BV, "lh_wu_kernel": self.BV, "lh_bwd_dv": self.BV,
+                  "lh_bwd_dqk": 64}.get(kernel, 0)
         return (getattr(self, kernel).block or shared) if shared else 0
 
     def kernels(self) -> tuple[str, ...]:
         """The kernels this config launches (its backward path's), in launch order."""
         if self.large_head:
-            return KERNELS_LARGE + (("lh_wu_kernel",) if self.lh_wu else ())
+            passes = KERNELS_LARGE[:-1] + (("lh_wu_kernel",) if self.lh_wu else ())
+            return passes + (KERNELS_LH_GRADS if self.lh_split else KERNELS_LARGE[-1:])
+        if self.lh_split:
+            return KERNELS_LOCAL[:-1] + ("lh_inverse",) + KERNELS_LH_GRADS
         return KERNELS_SPLIT if self.bwd_split else KERNELS_LOCAL
 
     @property
@@ -155,7 +174,8 @@ KERNELS_SPLIT = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", 
 KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
 # the large-head path's (`bench.py --tune --large-head` tunes these instead of KERNELS)
 KERNELS_LARGE = ("lh_inverse", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads")
-KERNELS_LARGE_ALL = KERNELS_LARGE + ("lh_wu_kernel",)  # with Config.lh_wu
+KERNELS_LH_GRADS = ("lh_bwd_dv", "lh_bwd_dqk", "lh_bwd_finish")  # with Config.lh_split
+KERNELS_LARGE_ALL = KERNELS_LARGE + ("lh_wu_kernel",) + KERNELS_LH_GRADS  # with Config.lh_wu, lh_split
 
 # Launch table by (K, V) class: the first entry (in key order) with K ≤ Kc and V ≤ Vc applies.
 # Tiles: BT for N·H ≥ 128 (sequences × heads), BT_FEW below that (the state pass is then short
@@ -206,7 +226,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     """A Config for head dims K, V and NH = sequences × heads from a TABLE-style entry."""
     cap = dict(fwd_prep=triton_next_pow2(K + V), bwd_prep=triton_next_pow2(K + V), fwd_out=V, bwd_local=V,
                bwd_dstate=V, bwd_sub=V, state_pass=V, lh_fwd_h=V, lh_fwd_o=V, lh_bwd_dh=V, lh_bwd_grads=V,
-               lh_wu_kernel=V)
+               lh_wu_kernel=V, lh_bwd_dv=V, lh_bwd_dqk=triton_next_pow2(K))
     kc = {}
     for n in KERNELS + KERNELS_LARGE_ALL:
         if n in entry:
@@ -219,7 +239,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
                   BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)),
                   dot_bf16=bool(entry.get("dot_bf16", False)), large_head=bool(entry.get("large_head", False)),
-                  lh_wu=bool(entry.get("lh_wu", False)), t_bf16=bool(entry.get("t_bf16", False)),
+                  lh_wu=bool(entry.get("lh_wu", False)), lh_split=bool(entry.get("lh_split", False)), t_bf16=bool(entry.get("t_bf16", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
@@ -337,9 +357,9 @@ def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
     3.7.1: 2 warps, or no 8 warps). Two warps (the Config defaults) run no warpgroup MMAs and
     passed parity there. A fault poisons the process's CUDA context, hence an error up front."""
     limit = large_head_warp_limit(capability)
-    if not cfg.large_head or limit is None:
+    if not (cfg.large_head or cfg.lh_split) or limit is None:
         return
-    wide = [n for n in cfg.kernels() if getattr(cfg, n).num_warps > limit]
+    wide = [n for n in cfg.kernels() if n.startswith("lh_") and getattr(cfg, n).num_warps > limit]
     if wide:
         raise RuntimeError(
             f"the large-head GDN kernels {wide} are set to >= 4 warps, which fault (illegal memory access) "
@@ -355,7 +375,7 @@ def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None =
     given = {n: x for n, x in (("dot_bf16", dot_bf16), ("t_bf16", t_bf16)) if x is not None}
     if given:
         cfg = dataclasses.replace(cfg, **given)
-    if cfg.large_head and q.is_cuda:
+    if (cfg.large_head or cfg.lh_split) and q.is_cuda:
         check_large_head_launch(cfg, torch.cuda.get_device_capability(q.device))
     NC = _num_chunks(B, T, N, cu_seqlens is not None, cfg.BT)
     if cu_seqlens is None:
@@ -566,6 +586,36 @@ def run_lh_bwd_grads(p: Problem, tinv, do, states, dstates, wu=None):
     return dq, dk, dv, dg, db
 
 
+def run_lh_bwd_split(p: Problem, tinv, do, states, dstates, wu=None):
+    """Config.lh_split: (dq, dk, dv, dg, dβ) from each chunk's start state, end-state gradient
+    and chunk-wide T, in three kernels (_lh_bwd_dv, _lh_bwd_dqk, _lh_bwd_finish)."""
+    B, T, H, K, V, dev, f32 = p.B, p.T, p.H, p.K, p.V, p.q.device, torch.float32
+    NBH = B * T * H
+    BV = p.cfg.tile("lh_bwd_dv")
+    BK = min(p.cfg.tile("lh_bwd_dqk"), triton_next_pow2(K))
+    NK = _cdiv(K, BK)
+    geom = _lh_geom(p)
+    dv = torch.empty_like(p.v)
+    vn, dy = (torch.empty(B, T, H, V, dtype=f32, device=dev) for _ in range(2))
+    rqk = torch.empty(2, NBH, dtype=f32, device=dev)  # the rows' l2norm factors of k and q
+    w, u = wu or (tinv, tinv)
+    _lh._lh_bwd_dv_kernel[(p.NC, H, _cdiv(V, BV))](
+        p.q, p.k, p.v, p.g, p.beta, tinv, w, u, do, states, dstates, dv, vn, dy, rqk, p.spans, T, p.scale,
+        NBH, V=V, BV=BV, HAS_WU=wu is not None, **geom, **_kw(p.cfg.lh_bwd_dv))
+    dq32, dk32 = (torch.empty(B, T, H, K, dtype=f32, device=dev) for _ in range(2))
+    dgp, dbp = (torch.empty(NK, NBH, dtype=f32, device=dev) for _ in range(2))
+    dglp = torch.empty(NK, p.NC, H, dtype=f32, device=dev)
+    _lh._lh_bwd_dqk_kernel[(NK, p.NC, H)](
+        p.q, p.k, p.v, p.g, p.beta, rqk, do, states, dstates, vn, dy, dq32, dk32, dgp, dbp, dglp, p.spans, T,
+        p.scale, NBH, p.NC, V=V, BK=BK, BV=p.cfg.BV, **{n: geom[n] for n in geom if n != "TPREC"},
+        **_kw(p.cfg.lh_bwd_dqk))
+    dq, dk, dg, db = (torch.empty_like(x) for x in (p.q, p.k, p.g, p.beta))
+    _lh._lh_bwd_finish_kernel[(p.NC, H)](
+        p.q, p.k, dq32, dk32, dgp, dbp, dglp, dq, dk, dg, db, p.spans, T, NBH, p.NC, NK=NK,
+        **{n: geom[n] for n in ("H", "K", "BT", "IS_VARLEN", "NORM_QK")}, **_kw(p.cfg.lh_bwd_finish))
+    return dq, dk, dv, dg, db
+
+
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16)
     if p.cfg.large_head:
@@ -592,7 +642,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht
     if p.cfg.large_head:
         wu = run_lh_wu(p, tinv) if p.cfg.lh_wu else None  # recomputed, not saved
         dstates, dh0 = run_lh_bwd_dh(p, tinv, do, dht, wu)
-        return (*run_lh_bwd_grads(p, tinv, do, states, dstates, wu), dh0)
+        grads = run_lh_bwd_split if p.cfg.lh_split else run_lh_bwd_grads
+        return (*grads(p, tinv, do, states, dstates, wu), dh0)
     mr = run_bwd_prep(p, tinv, do)
     # split path: dstates has one slot per sub-chunk; the pass fills slot 0 of each chunk with
     # the chunk's end-state gradient, _bwd_dstate the sub-chunk end-state gradients
@@ -600,6 +651,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht
     if p.cfg.bwd_split:
         run_bwd_dstate(p, tinv, do, dstates)
         dq, dk, dv, dg, db = run_bwd_sub(p, tinv, do, states, dstates)
+    elif p.cfg.lh_split:  # the chunk-wide T of the large-head path, built here rather than saved
+        dq, dk, dv, dg, db = run_lh_bwd_split(p, run_lh_inverse(p), do, states, dstates)
     else:
         dq, dk, dv, dg, db = run_bwd_local(p, tinv, do, states, dstates)
     return dq, dk, dv, dg, db, dh0

@@ -31,6 +31,14 @@ from .chunk_kernels import (_chunk_span, _chunk_tile, _dot, _gram, _l2norm_rows,
 
 
 @triton.jit
+def _operand(x, PREC: tl.constexpr):
+    """x as _dot will take it: rounded to bf16 now with bf16 dots (half the registers while it waits)."""
+    if PREC == "bf16":
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
 def _lh_chunk(chunk_spans, i_c, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """First token, sequence end, the chunk's token rows and their mask."""
     t0, eos = _chunk_span(i_c, chunk_spans, T, BT, IS_VARLEN)
@@ -307,4 +315,179 @@ def _lh_bwd_grads_kernel(
     dkb = _dot(tl.trans(dPG), qs, PREC) + dKX + _dot(Gk, kb, PREC) + _dot(tl.trans(Gk), kb, PREC)
     if NORM_QK:
         dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])
+    tl.store(dk + p_qk, dkb.to(dk.dtype.element_ty), mask=m_rk)
+
+
+@triton.jit
+def _lh_bwd_dv_kernel(
+    q, k, v, g, beta, tinv, w, u, do, states, dstates, dv, vnb, dyb, rqk, chunk_spans, T, scale, NBH,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
+    HAS_WU: tl.constexpr = False,
+):
+    """Config.lh_split, first kernel, one chunk's value columns i_v·BV …: v_new = U − W S,
+    dv_new = Pᵀ dO + K̃ dS' and dY = Tᵀ dv_new (the dots that need all K columns); stores
+    dv = β dY, and v_new and dY (fp32) for _lh_bwd_dqk. The first value block also stores the
+    rows' l2norm factors of k and q ([2, B·T·H]), which _lh_bwd_dqk cannot compute from its
+    key block alone."""
+    i_c, i_h, i_v, t0, eos, o_t, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BT, K, BV, V, IS_VARLEN)
+    if t0 >= eos:
+        return
+    rows = t0 + o_t
+    m_r = rows < eos
+    r64 = rows.to(tl.int64)
+    # not _lh_load_chunk: each BT × K tile is made where it is used and kept as a dot operand
+    # (bf16 with bf16 dots), so that fewer of them are live at once (registers: README)
+    kb, rk = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
+    qb, rq = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
+    if NORM_QK:
+        if i_v == 0:
+            tl.store(rqk + r64 * H + i_h, rk, mask=m_r)
+            tl.store(rqk + NBH + r64 * H + i_h, rq, mask=m_r)
+    bb = _load_vec(beta, rows, m_r, i_h, H)
+    gam, gL, g_in, g_lo = _lh_decays(_load_vec(g, rows, m_r, i_h, H), BT)
+    eg = tl.exp(gam)
+    P = _operand(_dot(qb * scale, tl.trans(kb), PREC) * g_in, PREC)
+    Tm = _operand(_load_rows(tinv, rows, m_r, i_h, H, BT, o_t, o_t < BT), TPREC)
+    if HAS_WU:
+        W = _operand(_load_rows(w, rows, m_r, i_h, H, K, o_k, o_k < K), PREC)
+        U = _load_rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+    else:
+        W = _operand(_dot(Tm, kb * (bb * eg)[:, None], TPREC), PREC)
+        U = _dot(Tm, _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v) * bb[:, None], TPREC)
+    p_s = ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    vn = U - _dot(W, tl.load(states + p_s, mask=m_v[None, :], other=0.0), PREC)
+    dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
+    Kt = _operand(kb * tl.exp(gL - gam)[:, None], PREC)
+    dvn = _dot(tl.trans(P), dob, PREC) + _dot(Kt, tl.load(dstates + p_s, mask=m_v[None, :], other=0.0), PREC)
+    dY = _dot(tl.trans(Tm), dvn, TPREC)
+    p_v = (r64 * H + i_h)[:, None] * V + o_v[None, :]
+    m_rv = m_r[:, None] & m_v[None, :]
+    tl.store(dv + p_v, (dY * bb[:, None]).to(dv.dtype.element_ty), mask=m_rv)
+    tl.store(vnb + p_v, vn, mask=m_rv)
+    tl.store(dyb + p_v, dY, mask=m_rv)
+
+
+@triton.jit
+def _lh_bwd_dqk_kernel(
+    q, k, v, g, beta, rqk, do, states, dstates, vnb, dyb, dq, dk, dgp, dbp, dglp, chunk_spans, T, scale, NBH, NC,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Config.lh_split, second kernel, one chunk's key columns i_k·BK … (fla's split of its
+    dq/dk kernel): the gradients with respect to the normalised q and k in those columns (fp32,
+    l2norm backward in _lh_bwd_finish), and this key block's share of every sum over K that dγ
+    and dβ need (fp32, [NK, B·T·H] and dγ_L per chunk [NK, NC, H]). dP and dA (sums over V) are
+    recomputed by every key block: two BT × BT tiles instead of the two BT × K sums of
+    _lh_bwd_grads, which spilled."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1).to(tl.int64)
+    i_h = tl.program_id(2)
+    t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    o_t = tl.arange(0, BT)
+    o_v0 = tl.arange(0, BV)
+    r64 = rows.to(tl.int64)
+    kb = _load_rows(k, rows, m_r, i_h, H, K, o_k, m_k)
+    qb = _load_rows(q, rows, m_r, i_h, H, K, o_k, m_k)
+    if NORM_QK:
+        kb = kb * tl.load(rqk + r64 * H + i_h, mask=m_r, other=0.0)[:, None]
+        qb = qb * tl.load(rqk + NBH + r64 * H + i_h, mask=m_r, other=0.0)[:, None]
+    bb = _load_vec(beta, rows, m_r, i_h, H)
+    gam, gL, g_in, g_lo = _lh_decays(_load_vec(g, rows, m_r, i_h, H), BT)
+    eg = tl.exp(gam)
+    ed = tl.exp(gL - gam)
+    be = bb * eg
+    qs = qb * scale
+    dQt = tl.zeros([BT, BK], dtype=tl.float32)
+    dKX = tl.zeros([BT, BK], dtype=tl.float32)  # Σ diag(d) dK̃ + diag(βa) dX
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    dyv = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dY_r, v_r⟩ (first key block only)
+    xk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dX_r, k_r⟩
+    tk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dK̃_r, k_r⟩
+    dgL = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)  # Σ ⟨dS', S⟩
+    p_c = (i_c * H + i_h) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + o_v0
+        m_v = o_v < V
+        p_s = p_c + o_k[:, None] * V + o_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        S = tl.load(states + p_s, mask=m_kv, other=0.0)
+        dS = tl.load(dstates + p_s, mask=m_kv, other=0.0)
+        vn = _load_rows(vnb, rows, m_r, i_h, H, V, o_v, m_v)
+        dY = _load_rows(dyb, rows, m_r, i_h, H, V, o_v, m_v)
+        dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
+        dXj = -_dot(dY, tl.trans(S), PREC)
+        dKtj = _dot(vn, tl.trans(dS), PREC)
+        dQt += _dot(dob, tl.trans(S), PREC)
+        dP += _dot(dob, tl.trans(vn), PREC)
+        dA -= _dot(dY, tl.trans(vn), PREC)
+        dKX += dKtj * ed[:, None] + dXj * be[:, None]
+        xk += tl.sum(dXj * kb, 1)
+        tk += tl.sum(dKtj * kb, 1)
+        dgL += tl.sum(tl.sum(dS * S, 1), 0)
+        if i_k == 0:
+            dyv += tl.sum(dY * _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v), 1)
+    dP = tl.where(o_t[:, None] >= o_t[None, :], dP, 0.0)
+    dA = tl.where(o_t[:, None] > o_t[None, :], dA, 0.0)
+    # P and the key Gram matrix restricted to this key block: every term below is linear in
+    # them, so the key blocks' shares add up to the full sums
+    P = _dot(qs, tl.trans(kb), PREC) * g_in
+    Bkk = _dot(kb, tl.trans(kb), PREC) * g_lo
+    dPG = dP * g_in
+    Gk = dA * g_lo * bb[:, None]
+    E = dP * P + dA * (Bkk * bb[:, None])
+    Fk = ed * tk
+    dgam = tl.sum(dQt * (qs * eg[:, None]), 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + be * xk
+    p_part = i_k * NBH + r64 * H + i_h
+    tl.store(dgp + p_part, dgam, mask=m_r)
+    tl.store(dbp + p_part, dyv + eg * xk + tl.sum(dA * Bkk, 1), mask=m_r)
+    tl.store(dglp + (i_k * NC + i_c) * H + i_h, tl.exp(gL) * dgL + tl.sum(Fk, 0))
+    p_qk = (r64 * H + i_h)[:, None] * K + o_k[None, :]
+    m_rk = m_r[:, None] & m_k[None, :]
+    tl.store(dq + p_qk, (dQt * eg[:, None] + _dot(dPG, kb, PREC)) * scale, mask=m_rk)
+    dkb = _dot(tl.trans(dPG), qs, PREC) + dKX + _dot(Gk, kb, PREC) + _dot(tl.trans(Gk), kb, PREC)
+    tl.store(dk + p_qk, dkb, mask=m_rk)
+
+
+@triton.jit
+def _lh_bwd_finish_kernel(
+    q, k, dq32, dk32, dgp, dbp, dglp, dq, dk, dg, db, chunk_spans, T, NBH, NC,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr,
+):
+    """Config.lh_split, last kernel, one chunk: sums the key blocks' shares, dg = the reverse
+    in-chunk cumsum of dγ plus dγ_L, and the l2norm backward of dq and dk (full rows)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
+    if t0 >= eos:
+        return
+    r64 = rows.to(tl.int64)
+    dgam = tl.zeros([BT], dtype=tl.float32)
+    dbb = tl.zeros([BT], dtype=tl.float32)
+    dgL = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    for i_k in tl.static_range(NK):
+        p_part = i_k * NBH + r64 * H + i_h
+        dgam += tl.load(dgp + p_part, mask=m_r, other=0.0)
+        dbb += tl.load(dbp + p_part, mask=m_r, other=0.0)
+        dgL += tl.load(dglp + (i_k * NC + i_c) * H + i_h)
+    dgb = tl.sum(dgam, 0) - tl.cumsum(dgam, axis=0) + dgam + dgL
+    tl.store(dg + r64 * H + i_h, dgb.to(dg.dtype.element_ty), mask=m_r)
+    tl.store(db + r64 * H + i_h, dbb.to(db.dtype.element_ty), mask=m_r)
+    o_k = tl.arange(0, K)
+    p_qk = (r64 * H + i_h)[:, None] * K + o_k[None, :]
+    m_rk = m_r[:, None] & (o_k < K)[None, :]
+    dqb = tl.load(dq32 + p_qk, mask=m_rk, other=0.0)
+    dkb = tl.load(dk32 + p_qk, mask=m_rk, other=0.0)
+    if NORM_QK:
+        qb, rq = _l2norm_rows(tl.load(q + p_qk, mask=m_rk, other=0.0).to(tl.float32), NORM_QK)
+        dqb = rq[:, None] * (dqb - qb * tl.sum(qb * dqb, 1)[:, None])
+        kb, rk = _l2norm_rows(tl.load(k + p_qk, mask=m_rk, other=0.0).to(tl.float32), NORM_QK)
+        dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])
+    tl.store(dq + p_qk, dqb.to(dq.dtype.element_ty), mask=m_rk)
     tl.store(dk + p_qk, dkb.to(dk.dtype.element_ty), mask=m_rk)

@@ -20,7 +20,12 @@ def test_parse_launches():
     assert cfg.lh_fwd_h == KernelCfg(8, 2) and cfg.lh_bwd_grads == KernelCfg(4, 1) and cfg.lh_inverse.num_warps == 4
     assert fp.parse_launches("") == fp.parse_launches("warps=2")  # the Config defaults are 2 warps
     assert not cfg.t_bf16 and fp.parse_launches("t_bf16").t_bf16
-    for bad in ("warps=four", "bogus=3", "lh_wu=1", "BV", "t_bf16=1"):
+    split = fp.parse_launches("warps=4,lh_split,BK=32")
+    assert split.large_head and split.lh_split and split.lh_bwd_dqk == KernelCfg(4, 1, 32)
+    assert split.lh_bwd_dv.num_warps == split.lh_bwd_finish.num_warps == 4
+    table = fp.parse_launches("default_path,BK=16")
+    assert not table.large_head and table.lh_split and table.lh_bwd_dqk == KernelCfg(2, 1, 16)
+    for bad in ("warps=four", "bogus=3", "lh_wu=1", "BV", "t_bf16=1", "BK=x", "default_path=1", "lh_split=0"):
         with pytest.raises(ValueError, match="bad launch-set item"):
             fp.parse_launches(bad)
 
@@ -44,6 +49,9 @@ def test_probe_passes_and_reports_a_failing_launcher(packed, tuning, monkeypatch
     monkeypatch.setattr(gdn_chunk._lh, "_lh_bwd_dh_kernel", Faulting())
     res = fp.probe(shape, packed, "warps=2,BV=16", "fp32")
     assert not res["ok"] and res["where"] == ["run_lh_bwd_dh"] and "illegal memory access" in res["error"]
+    # the table's path with the split gradient stage does not run the large-head reverse pass
+    res = fp.probe(shape, packed, "default_path,warps=4,BV=16,BK=16", "fp32")
+    assert res["ok"] and max(res["errors"].values()) < 1e-5, res
 
 
 def test_cli_runs_each_launch_set_in_a_child_process(tmp_path):

@@ -182,23 +182,51 @@ def test_tilings(cfg, tuning, bwd_path):
     run_and_compare(x, cu_seqlens=cu, tol=TOL[torch.float32])
 
 
+@pytest.mark.parametrize("cfg", [
+    Config(BT=32, BC=16, BV=16, large_head=True, lh_split=True, lh_bwd_dqk=KernelCfg(2, 1, 16)),
+    Config(BT=64, BC=16, BZ=64, BV=16, BV_PASS=16, lh_split=True, lh_bwd_dqk=KernelCfg(2, 1, 16)),
+], ids=["large-head-path", "table-path"])
+@pytest.mark.parametrize("l2norm", [False, True], ids=["raw-qk", "l2norm"])
+def test_lh_split_tilings(cfg, l2norm, tuning):
+    """The gradient stage split in three kernels (Config.lh_split) with key blocks of 16 (two per
+    head, so every sum over K is two programs' shares) and value blocks of 16, on packed
+    sequences: on the large-head path, and on the table's path in place of _bwd_local."""
+    tuning[(32, 32)] = cfg
+    cu = torch.tensor([0, 61, 62, 130], dtype=torch.int32, device=DEVICE)
+    x = make_inputs(1, 130, 1, 32, 32, n_states=3, dtype=torch.float32, normalize_k=not l2norm)
+    run_and_compare(x, cu_seqlens=cu, l2norm=l2norm, tol=TOL[torch.float32])
+
+
+def test_lh_split_config_checks():
+    """lh_split needs chunks of at most 128 tokens and excludes the other split backward; its
+    launch order ends in its three kernels."""
+    with pytest.raises(ValueError, match="BT <= 128"):
+        Config(BT=256, lh_split=True)
+    with pytest.raises(ValueError, match="turn one of them off"):
+        Config(BT=64, lh_split=True, bwd_split=True)
+    assert Config(BT=64, lh_split=True).kernels()[-4:] == ("lh_inverse",) + gdn_chunk.KERNELS_LH_GRADS
+    assert Config(BT=64, large_head=True, lh_split=True).kernels()[-3:] == gdn_chunk.KERNELS_LH_GRADS
+
+
 @pytest.mark.parametrize("B, T, H, K, V, h0, l2norm", [
     (1, 1, 1, 16, 16, True, False),
     (2, 65, 2, 16, 32, True, True),
     (1, 130, 1, 64, 64, False, False),
     (1, 70, 1, 128, 128, True, True),
 ], ids=str)
-@pytest.mark.parametrize("lh_wu", [False, True], ids=["wu-in-passes", "wu-kernel"])
-def test_large_head_path(B, T, H, K, V, h0, l2norm, lh_wu, tuning):
-    """The large-head kernels (Config.large_head, with and without Config.lh_wu) against the
-    float64 recurrence, K up to 128."""
-    tuning[(K, V)] = Config(BT=64, BC=16, BV=16 if K < 128 else 64, large_head=True, lh_wu=lh_wu)
+@pytest.mark.parametrize("lh_wu, lh_split", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["wu-in-passes", "wu-kernel", "lh-split", "wu-kernel-lh-split"])
+def test_large_head_path(B, T, H, K, V, h0, l2norm, lh_wu, lh_split, tuning):
+    """The large-head kernels (Config.large_head, with and without Config.lh_wu and
+    Config.lh_split; key blocks of 32 in the split) against the float64 recurrence, K up to 128."""
+    tuning[(K, V)] = Config(BT=64, BC=16, BV=16 if K < 128 else 64, large_head=True, lh_wu=lh_wu, lh_split=lh_split,
+                            lh_bwd_dqk=KernelCfg(2, 1, 32))
     x = make_inputs(B, T, H, K, V, n_states=B if h0 else 0, dtype=torch.float32)
     run_and_compare(x, l2norm=l2norm, tol=TOL[torch.float32])
 
 
 def test_large_head_rejects_long_chunks(monkeypatch):
-    with pytest.raises(ValueError, match="large_head needs BC <= BT <= 128"):
+    with pytest.raises(ValueError, match="large_head and lh_split need BC <= BT <= 128"):
         Config(BT=256, large_head=True)
     # a TABLE entry that turns the path on with its few-sequences chunk of 256 fails the same way
     monkeypatch.setitem(gdn_chunk.TABLE, (128, 128), dict(gdn_chunk.TABLE[(128, 128)], large_head=True))
@@ -363,7 +391,7 @@ def test_bench_tune_large_head_smoke(tmp_path, lh_wu):
         bench.DEVICE = "cuda"
     rec = json.loads(out.read_text())["shapes"]["1,40,1,16,16"]
     assert all(r["ok"] for r in rec["parity_default"] + rec["parity_tuned"] if "float32" in r["dtype"])
-    assert set(rec["kernels"]) == set(gdn_chunk.KERNELS_LARGE_ALL if lh_wu else gdn_chunk.KERNELS_LARGE)
+    assert set(rec["kernels"]) == set(gdn_chunk.KERNELS_LARGE) | ({"lh_wu_kernel"} if lh_wu else set())
     assert set(rec["bt_sum_ms"]) == {"32", "64"}  # 256-token chunks are not offered to this path
     entry = rec["table_entry"]
     assert "large_head=True" in entry and "lh_bwd_grads=(" in entry and ("lh_wu=True" in entry) == lh_wu
@@ -601,6 +629,25 @@ def test_gpu_large_head_parity(B, T, H, K, V, varlen, BV, lh_wu, dtype, tuning):
     with bf16 dots where the input is bf16. Not fp32 at K = 128: there 2 warps did not finish
     within ~3 minutes on an H200 (seventh session) and 4 warps exceed the shared memory."""
     tuning[(K, V)] = Config(BT=64, BC=16, BV=BV, large_head=True, lh_wu=lh_wu, dot_bf16=True, inverse_prec="tf32x3")
+    cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
+    x = make_inputs(B, T, H, K, V, n_states=4 if varlen else B, dtype=dtype, device="cuda", normalize_k=False)
+    run_and_compare(x, cu_seqlens=cu, l2norm=True, tol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("large_head, B, T, H, K, V, varlen, dtype", [
+    (False, 1, 1500, 3, 32, 32, True, torch.bfloat16), (False, 1, 1500, 3, 32, 32, True, torch.float32),
+    (False, 2, 257, 2, 128, 128, False, torch.bfloat16), (True, 2, 257, 2, 128, 128, False, torch.bfloat16)],
+    ids=lambda p: str(p).replace("torch.", ""))
+@pytest.mark.parametrize("maxnreg", [0, 255], ids=["ptxas-regs", "maxnreg255"])
+def test_gpu_lh_split_parity(large_head, B, T, H, K, V, varlen, dtype, maxnreg, tuning):
+    """The split gradient stage (Config.lh_split) on the GPU with its default launches (2 warps,
+    64-column key blocks), on the table's path and on the large-head path, bf16 dots; also with
+    the large-head kernels held to 255 registers (KernelCfg.maxnreg)."""
+    cfg = Config(BT=64, BC=16, BV=min(V, 64), large_head=large_head, lh_split=True, dot_bf16=True,
+                 inverse_prec="tf32x3")
+    tuning[(K, V)] = dataclasses.replace(cfg, **{n: dataclasses.replace(getattr(cfg, n), maxnreg=maxnreg)
+                                                 for n in cfg.kernels() if n.startswith("lh_")})
     cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
     x = make_inputs(B, T, H, K, V, n_states=4 if varlen else B, dtype=dtype, device="cuda", normalize_k=False)
     run_and_compare(x, cu_seqlens=cu, l2norm=True, tol=TOL[dtype])
