@@ -57,6 +57,9 @@ class KernelCfg:
     maxnreg: int = 0
 
 
+_LH_NREG = 255  # the large-head kernels' register cap (KernelCfg.maxnreg), see Config
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Tiling. BT: tokens per chunk, the unit of the sequential state pass (a multiple of BC);
@@ -116,18 +119,20 @@ class Config:
     bwd_sub: KernelCfg = KernelCfg(2, 1)
     large_head: bool = False
     # two warps: the large-head kernels' only launches measured correct on an H200 with Triton 3.6
-    # at both K (seventh session; see check_large_head_launch)
-    lh_inverse: KernelCfg = KernelCfg(2, 1)
-    lh_fwd_h: KernelCfg = KernelCfg(2, 2)
-    lh_fwd_o: KernelCfg = KernelCfg(2, 2)
-    lh_bwd_dh: KernelCfg = KernelCfg(2, 2)
-    lh_bwd_grads: KernelCfg = KernelCfg(2, 1)
-    lh_wu_kernel: KernelCfg = KernelCfg(2, 1)
+    # at both K (seventh session; see check_large_head_launch). 255 registers: at 2 warps
+    # (.reqntid 64) Triton 3.6's ptxas gives some of them 32 registers and kilobytes of spills
+    # unless capped, 3-12x slower there (tenth session, kernels/gdn/README.md)
+    lh_inverse: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)
+    lh_fwd_h: KernelCfg = KernelCfg(2, 2, 0, _LH_NREG)
+    lh_fwd_o: KernelCfg = KernelCfg(2, 2, 0, _LH_NREG)
+    lh_bwd_dh: KernelCfg = KernelCfg(2, 2, 0, _LH_NREG)
+    lh_bwd_grads: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)
+    lh_wu_kernel: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)
     lh_wu: bool = False
     t_bf16: bool = False
-    lh_bwd_dv: KernelCfg = KernelCfg(2, 1)
-    lh_bwd_dqk: KernelCfg = KernelCfg(2, 1)  # block: the key columns per program (BK)
-    lh_bwd_finish: KernelCfg = KernelCfg(2, 1)
+    lh_bwd_dv: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)
+    lh_bwd_dqk: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)  # block: the key columns per program (BK)
+    lh_bwd_finish: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)
     lh_split: bool = False
 
     def __post_init__(self):

@@ -226,6 +226,51 @@ def _lh_bwd_dh_kernel(
 
 
 @triton.jit
+def _lh_sums_init(BT: tl.constexpr, BK: tl.constexpr):
+    """The gradient kernels' sums over V (README, Backward, with c = BT) for BK key columns:
+    dQ̃, diag(d) dK̃ + diag(βa) dX, dP, dA, ⟨dY_r, v_r⟩, ⟨dX_r, k_r⟩, ⟨dK̃_r, k_r⟩, ⟨dS', S⟩."""
+    zr = tl.zeros([BT], dtype=tl.float32)
+    return (tl.zeros([BT, BK], dtype=tl.float32), tl.zeros([BT, BK], dtype=tl.float32),
+            tl.zeros([BT, BT], dtype=tl.float32), tl.zeros([BT, BT], dtype=tl.float32), zr, zr, zr, tl.sum(zr, 0))
+
+
+@triton.jit
+def _lh_sums_step(dQt, dKX, dP, dA, xk, tk, dgL, S, dS, vn, dY, dob, kb, ed, be, PREC: tl.constexpr):
+    """One value block's terms of the sums (S, dS' restricted to the program's key columns).
+    dX and dK̃ enter the results only through diag(βa) dX + diag(d) dK̃ and the row sums, so
+    only those are kept, not both BT × K sums (registers: README, large-head path)."""
+    dXj = -_dot(dY, tl.trans(S), PREC)
+    dKtj = _dot(vn, tl.trans(dS), PREC)
+    dQt += _dot(dob, tl.trans(S), PREC)
+    dP += _dot(dob, tl.trans(vn), PREC)
+    dA -= _dot(dY, tl.trans(vn), PREC)
+    dKX += dKtj * ed[:, None] + dXj * be[:, None]
+    xk += tl.sum(dXj * kb, 1)
+    tk += tl.sum(dKtj * kb, 1)
+    dgL += tl.sum(tl.sum(dS * S, 1), 0)
+    return dQt, dKX, dP, dA, xk, tk, dgL
+
+
+@triton.jit
+def _lh_sums_close(dQt, dP, dA, xk, tk, dgL, qs, kb, bb, eg, ed, gL, g_in, g_lo, BT: tl.constexpr,
+                   PREC: tl.constexpr):
+    """From the sums: dγ per row, dγ_L, dβ less Σ⟨dY_r, v_r⟩, and dP ⊙ Γ and G for the dq / dk
+    dots (as _sub_chunk_grads, with ⟨dK̃_r, K̃_r⟩ = d_r ⟨dK̃_r, k_r⟩ and ⟨dX_r, X_r⟩ =
+    β_r a_r ⟨dX_r, k_r⟩). Every term is linear in P and in the key Gram matrix, so on a key
+    block (_lh_bwd_dqk) each result is that block's share."""
+    o_t = tl.arange(0, BT)
+    dP = tl.where(o_t[:, None] >= o_t[None, :], dP, 0.0)
+    dA = tl.where(o_t[:, None] > o_t[None, :], dA, 0.0)
+    P = _dot(qs, tl.trans(kb), PREC) * g_in
+    Bkk = _dot(kb, tl.trans(kb), PREC) * g_lo
+    E = dP * P + dA * (Bkk * bb[:, None])
+    Fk = ed * tk
+    dgam = tl.sum(dQt * (qs * eg[:, None]), 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + bb * eg * xk
+    dgL = tl.exp(gL) * dgL + tl.sum(Fk, 0)
+    return dgam, dgL, eg * xk + tl.sum(dA * Bkk, 1), dP * g_in, dA * g_lo * bb[:, None]
+
+
+@triton.jit
 def _lh_bwd_grads_kernel(
     q, k, v, g, beta, tinv, w, u, do, states, dstates, dq, dk, dv, dg, db, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
@@ -233,9 +278,7 @@ def _lh_bwd_grads_kernel(
     HAS_WU: tl.constexpr = False,
 ):
     """dq, dk, dv, dg, dβ of one chunk from its start state S and end-state gradient dS'
-    (README, Backward, with c = BT); the sums over V run over the value blocks in a loop.
-    dX and dK̃ enter the results only through diag(βa) dX + diag(d) dK̃ and three row sums,
-    so the loop keeps those instead of both BT × K sums (registers: README, large-head path)."""
+    (README, Backward, with c = BT); the sums over V run over the value blocks in a loop."""
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     t0, eos, rows, m_r = _lh_chunk(chunk_spans, i_c, T, BT, IS_VARLEN)
@@ -243,21 +286,13 @@ def _lh_bwd_grads_kernel(
         return
     o_k = tl.arange(0, K)
     m_k = o_k < K
-    o_t = tl.arange(0, BT)
     o_v0 = tl.arange(0, BV)
     kb, rk, qb, rq, vb, bb, Tm, gam, gL, g_in, g_lo, eg, X, W, U, qs, Kt = _lh_load_chunk(
         q, k, v, g, beta, tinv, w, u, rows, m_r, i_h, o_v0, o_v0 < V, scale, H, K, V, BT, NORM_QK, TPREC, HAS_WU)
     Pt = tl.trans(_dot(qs, tl.trans(kb), PREC) * g_in)
     ed = tl.exp(gL - gam)
     be = bb * eg
-    dQt = tl.zeros([BT, K], dtype=tl.float32)
-    dKX = tl.zeros([BT, K], dtype=tl.float32)  # Σ diag(d) dK̃ + diag(βa) dX
-    dP = tl.zeros([BT, BT], dtype=tl.float32)
-    dA = tl.zeros([BT, BT], dtype=tl.float32)
-    dbb = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dY_r, v_r⟩
-    xk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dX_r, k_r⟩
-    tk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dK̃_r, k_r⟩
-    dgL = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)  # Σ ⟨dS', S⟩
+    dQt, dKX, dP, dA, dbb, xk, tk, dgL = _lh_sums_init(BT, K)
     p_c = (i_c * H + i_h) * K * V
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + o_v0
@@ -274,34 +309,17 @@ def _lh_bwd_grads_kernel(
         vn = Uj - _dot(W, S, PREC)
         dvn = _dot(Pt, dob, PREC) + _dot(Kt, dS, PREC)
         dY = _dot(tl.trans(Tm), dvn, TPREC)
-        dXj = -_dot(dY, tl.trans(S), PREC)
-        dKtj = _dot(vn, tl.trans(dS), PREC)
-        dQt += _dot(dob, tl.trans(S), PREC)
-        dP += _dot(dob, tl.trans(vn), PREC)
-        dA -= _dot(dY, tl.trans(vn), PREC)
-        dKX += dKtj * ed[:, None] + dXj * be[:, None]
-        xk += tl.sum(dXj * kb, 1)
-        tk += tl.sum(dKtj * kb, 1)
+        dQt, dKX, dP, dA, xk, tk, dgL = _lh_sums_step(dQt, dKX, dP, dA, xk, tk, dgL, S, dS, vn, dY, dob, kb, ed, be,
+                                                       PREC)
         dbb += tl.sum(dY * vb, 1)
-        dgL += tl.sum(tl.sum(dS * S, 1), 0)
         p_v = (rows.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
         tl.store(dv + p_v, (dY * bb[:, None]).to(dv.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
-    dP = tl.where(o_t[:, None] >= o_t[None, :], dP, 0.0)
-    dA = tl.where(o_t[:, None] > o_t[None, :], dA, 0.0)
-    # gradients of the inputs (as _sub_chunk_grads, with ⟨dK̃_r, K̃_r⟩ = d_r ⟨dK̃_r, k_r⟩ and
-    # ⟨dX_r, X_r⟩ = β_r a_r ⟨dX_r, k_r⟩). Γ and P again rather than kept through the loop:
-    # BT × BT fp32 tiles are 32 registers per thread each at 4 warps
+    # Γ again rather than kept through the loop: BT × BT fp32 tiles are 32 registers per thread
+    # each at 4 warps
     _, _, g_in, g_lo = _lh_decays(_load_vec(g, rows, m_r, i_h, H), BT)
-    P = _dot(qs, tl.trans(kb), PREC) * g_in
-    Bkk = _dot(kb, tl.trans(kb), PREC) * g_lo
-    dPG = dP * g_in
-    Gk = dA * g_lo * bb[:, None]
-    E = dP * P + dA * (Bkk * bb[:, None])
-    Fk = ed * tk
-    dgam = tl.sum(dQt * (qs * eg[:, None]), 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + be * xk
-    dgL = tl.exp(gL) * dgL + tl.sum(Fk, 0)
+    dgam, dgL, dbx, dPG, Gk = _lh_sums_close(dQt, dP, dA, xk, tk, dgL, qs, kb, bb, eg, ed, gL, g_in, g_lo, BT, PREC)
     dgb = tl.sum(dgam, 0) - tl.cumsum(dgam, axis=0) + dgam + dgL
-    dbb = dbb + eg * xk + tl.sum(dA * Bkk, 1)
+    dbb = dbb + dbx
     r64 = rows.to(tl.int64)
     tl.store(dg + r64 * H + i_h, dgb.to(dg.dtype.element_ty), mask=m_r)
     tl.store(db + r64 * H + i_h, dbb.to(db.dtype.element_ty), mask=m_r)
@@ -388,7 +406,6 @@ def _lh_bwd_dqk_kernel(
         return
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    o_t = tl.arange(0, BT)
     o_v0 = tl.arange(0, BV)
     r64 = rows.to(tl.int64)
     kb = _load_rows(k, rows, m_r, i_h, H, K, o_k, m_k)
@@ -402,14 +419,7 @@ def _lh_bwd_dqk_kernel(
     ed = tl.exp(gL - gam)
     be = bb * eg
     qs = qb * scale
-    dQt = tl.zeros([BT, BK], dtype=tl.float32)
-    dKX = tl.zeros([BT, BK], dtype=tl.float32)  # Σ diag(d) dK̃ + diag(βa) dX
-    dP = tl.zeros([BT, BT], dtype=tl.float32)
-    dA = tl.zeros([BT, BT], dtype=tl.float32)
-    dyv = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dY_r, v_r⟩ (first key block only)
-    xk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dX_r, k_r⟩
-    tk = tl.zeros([BT], dtype=tl.float32)  # Σ ⟨dK̃_r, k_r⟩
-    dgL = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)  # Σ ⟨dS', S⟩
+    dQt, dKX, dP, dA, dyv, xk, tk, dgL = _lh_sums_init(BT, BK)  # dyv: in the first key block only
     p_c = (i_c * H + i_h) * K * V
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + o_v0
@@ -421,32 +431,15 @@ def _lh_bwd_dqk_kernel(
         vn = _load_rows(vnb, rows, m_r, i_h, H, V, o_v, m_v)
         dY = _load_rows(dyb, rows, m_r, i_h, H, V, o_v, m_v)
         dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
-        dXj = -_dot(dY, tl.trans(S), PREC)
-        dKtj = _dot(vn, tl.trans(dS), PREC)
-        dQt += _dot(dob, tl.trans(S), PREC)
-        dP += _dot(dob, tl.trans(vn), PREC)
-        dA -= _dot(dY, tl.trans(vn), PREC)
-        dKX += dKtj * ed[:, None] + dXj * be[:, None]
-        xk += tl.sum(dXj * kb, 1)
-        tk += tl.sum(dKtj * kb, 1)
-        dgL += tl.sum(tl.sum(dS * S, 1), 0)
+        dQt, dKX, dP, dA, xk, tk, dgL = _lh_sums_step(dQt, dKX, dP, dA, xk, tk, dgL, S, dS, vn, dY, dob, kb, ed, be,
+                                                       PREC)
         if i_k == 0:
             dyv += tl.sum(dY * _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v), 1)
-    dP = tl.where(o_t[:, None] >= o_t[None, :], dP, 0.0)
-    dA = tl.where(o_t[:, None] > o_t[None, :], dA, 0.0)
-    # P and the key Gram matrix restricted to this key block: every term below is linear in
-    # them, so the key blocks' shares add up to the full sums
-    P = _dot(qs, tl.trans(kb), PREC) * g_in
-    Bkk = _dot(kb, tl.trans(kb), PREC) * g_lo
-    dPG = dP * g_in
-    Gk = dA * g_lo * bb[:, None]
-    E = dP * P + dA * (Bkk * bb[:, None])
-    Fk = ed * tk
-    dgam = tl.sum(dQt * (qs * eg[:, None]), 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + be * xk
+    dgam, dgL, dbx, dPG, Gk = _lh_sums_close(dQt, dP, dA, xk, tk, dgL, qs, kb, bb, eg, ed, gL, g_in, g_lo, BT, PREC)
     p_part = i_k * NBH + r64 * H + i_h
     tl.store(dgp + p_part, dgam, mask=m_r)
-    tl.store(dbp + p_part, dyv + eg * xk + tl.sum(dA * Bkk, 1), mask=m_r)
-    tl.store(dglp + (i_k * NC + i_c) * H + i_h, tl.exp(gL) * dgL + tl.sum(Fk, 0))
+    tl.store(dbp + p_part, dyv + dbx, mask=m_r)
+    tl.store(dglp + (i_k * NC + i_c) * H + i_h, dgL)
     p_qk = (r64 * H + i_h)[:, None] * K + o_k[None, :]
     m_rk = m_r[:, None] & m_k[None, :]
     tl.store(dq + p_qk, (dQt * eg[:, None] + _dot(dPG, kb, PREC)) * scale, mask=m_rk)

@@ -17,14 +17,16 @@ from hymo_kernels.gdn.chunk import KernelCfg
 def test_parse_launches():
     cfg = fp.parse_launches("lh_fwd_h=8,warps=4,BV=64,lh_wu")
     assert cfg.large_head and cfg.lh_wu and cfg.BV == 64 and cfg.BT == 64
-    assert cfg.lh_fwd_h == KernelCfg(8, 2) and cfg.lh_bwd_grads == KernelCfg(4, 1) and cfg.lh_inverse.num_warps == 4
+    # warps replaced, the rest of each launch (stages, the large-head register cap) kept
+    assert cfg.lh_fwd_h == KernelCfg(8, 2, 0, 255) and cfg.lh_bwd_grads == KernelCfg(4, 1, 0, 255)
+    assert cfg.lh_inverse.num_warps == 4
     assert fp.parse_launches("") == fp.parse_launches("warps=2")  # the Config defaults are 2 warps
     assert not cfg.t_bf16 and fp.parse_launches("t_bf16").t_bf16
     split = fp.parse_launches("warps=4,lh_split,BK=32")
-    assert split.large_head and split.lh_split and split.lh_bwd_dqk == KernelCfg(4, 1, 32)
+    assert split.large_head and split.lh_split and split.lh_bwd_dqk == KernelCfg(4, 1, 32, 255)
     assert split.lh_bwd_dv.num_warps == split.lh_bwd_finish.num_warps == 4
     table = fp.parse_launches("default_path,BK=16")
-    assert not table.large_head and table.lh_split and table.lh_bwd_dqk == KernelCfg(2, 1, 16)
+    assert not table.large_head and table.lh_split and table.lh_bwd_dqk == KernelCfg(2, 1, 16, 255)
     for bad in ("warps=four", "bogus=3", "lh_wu=1", "BV", "t_bf16=1", "BK=x", "default_path=1", "lh_split=0"):
         with pytest.raises(ValueError, match="bad launch-set item"):
             fp.parse_launches(bad)
