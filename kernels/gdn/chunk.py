@@ -244,7 +244,8 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     return Config(BT=BT, BC=entry.get("BC", 16), BZ=min(BZ, triton_next_pow2(K + V)), BV=min(BV, V),
                   BV_PASS=min(BV_PASS, V), bwd_split=bool(entry.get("bwd_split", False)),
                   dot_bf16=bool(entry.get("dot_bf16", False)), large_head=bool(entry.get("large_head", False)),
-                  lh_wu=bool(entry.get("lh_wu", False)), lh_split=bool(entry.get("lh_split", False)), t_bf16=bool(entry.get("t_bf16", False)),
+                  lh_wu=bool(entry.get("lh_wu", False)), lh_split=bool(entry.get("lh_split", False)),
+                  t_bf16=bool(entry.get("t_bf16", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 

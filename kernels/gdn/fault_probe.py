@@ -14,12 +14,13 @@ fault is what it is for. On the CPU (TRITON_INTERPRET=1) it checks its own code 
 
 A launch set is comma-separated: ``warps=N`` (every large-head kernel), ``<kernel>=N`` for one
 kernel's warps (``lh_inverse``, ``lh_wu_kernel``, ``lh_fwd_h``, ``lh_fwd_o``, ``lh_bwd_dh``,
-``lh_bwd_grads``, and ``lh_bwd_dv``, ``lh_bwd_dqk``, ``lh_bwd_finish`` of ``lh_split``), ``BV=N``
-(value columns per program), ``BK=N`` (``lh_bwd_dqk``'s key columns per program), ``lh_wu``, ``t_bf16`` (the dots with T on bf16 operands: no tf32
-warpgroup MMAs left outside ``_lh_inverse``, the fault lead of kernels/gdn/README.md),
-``lh_split`` (Config.lh_split: the gradient stage split in three kernels) and ``default_path``
-(the table's path with its backward ending in ``_lh_inverse`` and the ``lh_split`` kernels;
-its other kernels keep the Config defaults).
+``lh_bwd_grads``, and ``lh_bwd_dv``, ``lh_bwd_dqk``, ``lh_bwd_finish`` of ``lh_split``),
+``BV=N`` (value columns per program), ``BK=N`` (``lh_bwd_dqk``'s key columns per program),
+``lh_wu``, ``t_bf16`` (the dots with T on bf16 operands: no tf32 warpgroup MMAs left outside
+``_lh_inverse``, the fault lead of kernels/gdn/README.md), ``lh_split`` (Config.lh_split: the
+gradient stage split in three kernels) and ``default_path`` (the table's path with its backward
+ending in ``_lh_inverse`` and the ``lh_split`` kernels; its other kernels keep the Config
+defaults).
 Unset: the Config defaults.
 """
 
@@ -48,7 +49,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def parse_launches(spec: str) -> Config:
     """The Config of a launch set (64-token chunks, bf16 dots, the tables' tf32x3 inverse)."""
     cfg = Config(BT=64, BC=16, large_head=True, dot_bf16=True, inverse_prec="tf32x3")
-    warps, bk = {}, [0]
+    warps, bk = {}, 0
     for item in filter(None, spec.split(",")):
         name, _, value = item.partition("=")
         if name in ("lh_wu", "t_bf16", "lh_split") and not value:
@@ -58,7 +59,7 @@ def parse_launches(spec: str) -> Config:
         elif name == "BV" and value.isdigit():
             cfg = dataclasses.replace(cfg, BV=int(value))
         elif name == "BK" and value.isdigit():  # lh_bwd_dqk's key columns; its warps stay as set
-            bk[0] = int(value)
+            bk = int(value)
         elif name == "warps" and value.isdigit():
             warps.update({k: int(value) for k in KERNELS if k not in warps})
         elif name in KERNELS and value.isdigit():
@@ -68,7 +69,7 @@ def parse_launches(spec: str) -> Config:
                              "lh_split, default_path or "
                              f"<kernel>=N with a kernel from {KERNELS}")
     cfg = dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), num_warps=w) for k, w in warps.items()})
-    return dataclasses.replace(cfg, lh_bwd_dqk=dataclasses.replace(cfg.lh_bwd_dqk, block=bk[0]))
+    return dataclasses.replace(cfg, lh_bwd_dqk=dataclasses.replace(cfg.lh_bwd_dqk, block=bk))
 
 
 def _packed_bounds(T: int) -> list[int]:

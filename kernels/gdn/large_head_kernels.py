@@ -15,10 +15,16 @@ chunk (c = BT, 64 by default), split the way ``chunk_torch._chunk_rows_backward`
   (dv_new = Pᵀ dO + K̃ dS', dS ← Q̃ᵀ dO + e^{γ_L} dS' − Wᵀ dv_new) and returns dh0.
 - ``_lh_bwd_grads``: every chunk's input gradients from its S and dS' in parallel, looping
   over the value blocks for the sums over V.
+- With ``Config.lh_split``, instead: ``_lh_bwd_dv`` (the dots that need all K columns, and dv),
+  ``_lh_bwd_dqk`` (one key block per program, as fla splits its dq/dk kernel) and
+  ``_lh_bwd_finish`` (the key blocks' shares summed, dg, the l2norm backward). The same stage
+  also ends the default path's backward when large_head is off.
 
 Every dot has BT rows (64: warpgroup MMAs on Hopper at ≥ 4 warps) instead of the 16 of the
 default path. On an H200 with Triton 3.6 (seventh session, README.md) launches with ≥ 4 warps
 mostly fault, and the path is slower than the default one (`_lh_bwd_grads` spills): off in the table.
+The kernels launch at 2 warps with a 255-register cap: without it Triton 3.6's ptxas gives some
+of them 32 registers (tenth session).
 """
 
 from __future__ import annotations
