@@ -7,11 +7,13 @@
 #   command "bash scripts/gpu_gdn_check.sh"                 the tests (results under $OUT when set,
 #   command "TESTS=0 BENCH=1 bash scripts/gpu_gdn_check.sh"  the benchmark   else outputs/gpu_gdn_check)
 # One 10-minute device call holds one of the two on a fresh machine, not both: the 27 GPU tests
-# took 5.7-7 minutes there (eighth session: 393 s for all 27; 26 in 400 s, then the Inductor test 30 s;
-# ninth: 343 s), and
+# before the tenth session took 5.7-7 minutes there (eighth session: 393 s for all 27; 26 in 400 s,
+# then the Inductor test 30 s; ninth: 343 s), and the eight of Config.lh_split added 191 s in the
+# tenth, so all 35 need two calls (TESTS_K="gpu_lh_split" and TESTS_K="not gpu_lh_split"), and
 # the benchmark's first fla call compiles for minutes.
 # Environment: TESTS (default 1), TESTS_S (the tests' limit, default 540 s; a cut run says so in
-# gpu_tests.log), BENCH (default 0), VARIANTS (bench.py --variants, default "default"; e.g.
+# gpu_tests.log), TESTS_K (a pytest -k expression selecting among them; default all), BENCH
+# (default 0), VARIANTS (bench.py --variants, default "default"; e.g.
 # "default,large_head,large_head_wu": the large-head path's fp32 parity at K = 128 runs 2-warp
 # kernels that took minutes on an H200, so add --no-parity to BENCH_ARGS there), SHAPES (default:
 # the K = 128 issue shape, then HyMo's), BENCH_S (the benchmark's time limit, default 540 s; it
@@ -35,7 +37,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', 
 
 if [ "${TESTS:-1}" = 1 ]; then
     timeout -k 5 "${TESTS_S}" python3 -m pytest -v -m gpu tests/kernels/test_gdn_triton.py -p no:cacheprovider -W ignore \
-        > "${RESULTS}/gpu_tests.log" 2>&1
+        ${TESTS_K:+-k "${TESTS_K}"} > "${RESULTS}/gpu_tests.log" 2>&1
     echo "gpu tests: exit $? ($(grep -E 'passed|failed|skipped|error' "${RESULTS}/gpu_tests.log" | tail -1))"
 fi
 
