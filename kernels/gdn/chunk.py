@@ -187,7 +187,8 @@ KERNELS_LARGE_ALL = KERNELS_LARGE + ("lh_wu_kernel",) + KERNELS_LH_GRADS  # with
 # of programs), BC, and BZ / BV / BV_PASS (0: derived, min(64, K + V) / min(V, 64) /
 # 16 for V ≤ 64 else 32; explicit values are clamped to the head dims). Per kernel
 # (num_warps, num_stages), (num_warps, num_stages, block) or (num_warps, num_stages, block,
-# maxnreg), block 0 meaning the shared tile (KernelCfg). `bench.py --tune` on a GPU
+# maxnreg), block 0 meaning the shared tile (KernelCfg); a large-head kernel given without
+# maxnreg gets the Config default cap (255), the others none. `bench.py --tune` on a GPU
 # prints its winners in this format, to paste here. bwd_split picks the backward path
 # (False: _bwd_local; True: _bwd_dstate + _bwd_sub, on an H200 6 % faster at
 # (4,4096,40,32,32) but 20 % slower at 8x and 32K tokens, untuned: README "Split backward");
@@ -236,6 +237,8 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
     for n in KERNELS + KERNELS_LARGE_ALL:
         if n in entry:
             c = KernelCfg(*entry[n])
+            if len(entry[n]) < 4 and n.startswith("lh_"):  # the large-head kernels' default cap
+                c = dataclasses.replace(c, maxnreg=_LH_NREG)
             kc[n] = dataclasses.replace(c, block=min(c.block, cap[n])) if c.block and n in cap else c
     BZ = entry.get("BZ", 0) or min(64, triton_next_pow2(K + V))
     BV = entry.get("BV", 0) or min(V, 64)

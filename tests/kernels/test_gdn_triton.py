@@ -197,6 +197,18 @@ def test_lh_split_tilings(cfg, l2norm, tuning):
     run_and_compare(x, cu_seqlens=cu, l2norm=l2norm, tol=TOL[torch.float32])
 
 
+def test_table_entry_keeps_the_large_head_register_cap():
+    """A TABLE entry's large-head launch without a fourth element gets the Config default cap
+    (ptxas gives some 2-warp large-head kernels 32 registers without it); an explicit 0 removes
+    it; the table path's kernels stay uncapped."""
+    entry = dict(gdn_chunk.TABLE[(32, 32)], large_head=True, BT=64, BT_FEW=64, lh_fwd_h=(2, 2),
+                 lh_bwd_dh=(2, 2, 0, 0), lh_bwd_dqk=(2, 1, 32))
+    cfg = gdn_chunk.config_from_entry(32, 32, 256, entry)
+    assert cfg.lh_fwd_h == KernelCfg(2, 2, 0, 255) and cfg.lh_bwd_dh == KernelCfg(2, 2, 0, 0)
+    assert cfg.lh_bwd_dqk == KernelCfg(2, 1, 32, 255) and cfg.lh_inverse.maxnreg == 255  # the Config default
+    assert cfg.bwd_local.maxnreg == 0 and cfg.fwd_out.maxnreg == 0
+
+
 def test_lh_split_config_checks():
     """lh_split needs chunks of at most 128 tokens and excludes the other split backward; its
     launch order ends in its three kernels."""
