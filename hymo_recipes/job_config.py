@@ -28,12 +28,12 @@ class Hymo:
     silently."""
     gdn_dot_precision: Literal["table", "tf32", "bf16", "bf16_t"] = "table"
     """Operands of the Triton GDN kernel's dots for bf16 inputs. "table" keeps the flavor's
-    setting, which leaves the choice to the kernel's launch table ("bf16" at HyMo's head dims).
+    setting, which leaves the choice to the kernel's launch table ("bf16_t" at HyMo's head dims).
     "bf16" rounds the operands to bf16 (fp32 accumulation) except in the dots with the WY
     inverse T = (I + A)⁻¹ and inside the inverse: ~16 % less kernel time than "tf32" on an
     H200, ~1.5x the bf16 error (kernels/gdn/README.md). "bf16_t" rounds T's dots too (fla's
-    choice): another 4-6 % less kernel time, slightly higher loss in two 200-step runs
-    (BENCHMARKS.md). "tf32" forces tf32 operands. Values other than "table" need gdn_backend
+    choice): another 4-6 % less kernel time, and 200-step runs end level with "bf16" (six
+    seeds, BENCHMARKS.md). "tf32" forces tf32 operands. Values other than "table" need gdn_backend
     "triton"."""
     nonfinite_probe: bool = False
     """Debugging: log, for each forward, the first module whose output is NaN/Inf while its

@@ -24,7 +24,6 @@ def test_memory_monitor_functions_report_this_process():
     assert _titan.dist_utils.set_pg_timeouts is cpu_shims._set_pg_timeouts_cpu
 
 
-
 def test_profiler_shim_drops_the_missing_device_activity(tmp_path, monkeypatch):
     """TorchTitan's maybe_enable_profiling asks torch.profiler for [CPU, None] without a GPU
     (a TypeError); the shim drops the None. (The trace itself: tests/test_step_profile_script.py.)"""

@@ -49,7 +49,8 @@ class KernelCfg:
     registers per thread (ptxas ``.maxnreg``; 0: the compiler's choice). The K = 32 kernels
     are latency-bound at 1-2 warps per program and hold 235-255 registers per thread, which
     leaves about 8 warps per SM; a cap trades spills for more resident warps. On an H200 every
-    cap measured slower there (eighth session, BENCHMARKS.md), so no TABLE entry sets one."""
+    cap measured slower there (eighth session, BENCHMARKS.md), so no TABLE entry sets one. The
+    large-head kernels' Config defaults do (255), for another reason: see Config."""
 
     num_warps: int = 2
     num_stages: int = 1
