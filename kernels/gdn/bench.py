@@ -481,7 +481,7 @@ class Case:
         self.do = torch.randn_like(x["v"])
         self.p = gdn_chunk.make_problem(x["q"], x["k"], x["v"], x["g"], x["beta"], None, K**-0.5, True, cfg)
         p, z = self.p, dict(dtype=torch.float32, device=DEVICE)
-        self.tinv = torch.zeros(B, T, H, cfg.t_width, **z)
+        self.tinv = torch.zeros(B, T, H, cfg.t_width, dtype=gdn_chunk.saved_t_dtype(cfg, dtype), device=DEVICE)
         self.mn = torch.zeros(p.NC, H, K, K + V, **z)
         self.mr = torch.zeros(p.NC, H, K, K + V, **z)
         self.states = torch.zeros(p.NC, H, K, V, **z)

@@ -377,14 +377,17 @@ def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
             "Config.large_head off")
 
 
+def _overridden(cfg: Config, dot_bf16: bool | None, t_bf16: bool | None) -> Config:
+    """cfg with dot_bf16 and t_bf16 replaced where given (not None): the op's arguments."""
+    given = {n: x for n, x in (("dot_bf16", dot_bf16), ("t_bf16", t_bf16)) if x is not None}
+    return dataclasses.replace(cfg, **given) if given else cfg
+
+
 def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None = None,
                  dot_bf16: bool | None = None, t_bf16: bool | None = None) -> Problem:
     """dot_bf16 and t_bf16 (not None) override the config's choices (the op's arguments)."""
     B, T, H, K, V, N, cfg0, _ = _common(q, v, cu_seqlens)
-    cfg = cfg or cfg0
-    given = {n: x for n, x in (("dot_bf16", dot_bf16), ("t_bf16", t_bf16)) if x is not None}
-    if given:
-        cfg = dataclasses.replace(cfg, **given)
+    cfg = _overridden(cfg or cfg0, dot_bf16, t_bf16)
     if (cfg.large_head or cfg.lh_split) and q.is_cuda:
         check_large_head_launch(cfg, torch.cuda.get_device_capability(q.device))
     NC = _num_chunks(B, T, N, cu_seqlens is not None, cfg.BT)
@@ -395,21 +398,30 @@ def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None =
     return Problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg, B, T, H, K, V, N, NC, spans, offs)
 
 
+def _tprec(cfg: Config, dtype: torch.dtype) -> str:
+    # the dots with T = (I + A)⁻¹: its entries are sums that cancel when keys collapse (see
+    # _unit_lower_inverse), so they are rounded to bf16 only with Config.t_bf16
+    return "bf16" if cfg.t_bf16 and cfg.dot_bf16 and dtype == torch.bfloat16 else _prec(dtype)
+
+
+def saved_t_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the saved T for inputs of this dtype: bf16 where every dot with it rounds it to
+    bf16 anyway (the default path with t_bf16), which halves the bytes five kernels read; else fp32."""
+    return torch.bfloat16 if _tprec(cfg, dtype) == "bf16" and not cfg.large_head else torch.float32
+
+
 def _geom(p: Problem) -> dict:
-    # PREC: the dots on inputs, states and their gradients; TPREC: those with T = (I + A)⁻¹ (its
-    # entries are sums that cancel when keys collapse, see _unit_lower_inverse: rounded to bf16
-    # only with Config.t_bf16)
-    bf16 = p.q.dtype == torch.bfloat16
-    tprec = "bf16" if p.cfg.t_bf16 and p.cfg.dot_bf16 and bf16 else _prec(p.q.dtype)
-    prec = "bf16" if p.cfg.dot_bf16 and bf16 else _prec(p.q.dtype)
+    # PREC: the dots on inputs, states and their gradients; TPREC: those with T
+    prec = "bf16" if p.cfg.dot_bf16 and p.q.dtype == torch.bfloat16 else _prec(p.q.dtype)
     return dict(H=p.H, K=p.K, BT=p.cfg.BT, BC=p.cfg.BC, IS_VARLEN=p.cu_seqlens is not None,
-                NORM_QK=p.norm, PREC=prec, TPREC=tprec)
+                NORM_QK=p.norm, PREC=prec, TPREC=_tprec(p.cfg, p.q.dtype))
 
 
 def run_wy_inverse(p: Problem) -> torch.Tensor:
-    """T = (I + A)⁻¹ of every sub-chunk, row by row beside its tokens ([B, T, H, BC] fp32)."""
+    """T = (I + A)⁻¹ of every sub-chunk, row by row beside its tokens ([B, T, H, BC]; bf16 or
+    fp32, saved_t_dtype)."""
     c = p.cfg
-    tinv = torch.empty(p.B, p.T, p.H, c.BC, dtype=torch.float32, device=p.q.device)
+    tinv = torch.empty(p.B, p.T, p.H, c.BC, dtype=saved_t_dtype(c, p.q.dtype), device=p.q.device)
     _kern._wy_inverse_kernel[(p.NC, p.H, c.BT // c.BC)](
         p.k, p.g, p.beta, tinv, p.spans, p.T, LOG2_BC=int(math.log2(c.BC)), INV_PREC=c.inverse_prec,
         **_geom(p), **_kw(c.wy_inverse))
@@ -645,7 +657,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
               dot_bf16=None, t_bf16=None):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16)
-    if states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.t_width:
+    if (states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.t_width
+            or tinv.dtype != saved_t_dtype(p.cfg, q.dtype)):
         raise RuntimeError(
             "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
             "changed between the forward and the backward?)")
@@ -698,11 +711,12 @@ def gdn_chunk_fwd(
 @gdn_chunk_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None):
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
+    cfg = _overridden(cfg, dot_bf16, t_bf16)
     return (
         v.new_empty(B, T, H, V),
         q.new_empty(N, H, K, V, dtype=torch.float32),
         q.new_empty(NC * cfg.slots, H, K, V, dtype=torch.float32),
-        q.new_empty(B, T, H, cfg.t_width, dtype=torch.float32),
+        q.new_empty(B, T, H, cfg.t_width, dtype=saved_t_dtype(cfg, q.dtype)),
     )
 
 

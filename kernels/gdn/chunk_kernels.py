@@ -172,7 +172,7 @@ def _wy_inverse_kernel(
     gam, decay, Bkk, A = _gram(kb, gb, bb, BC, TPREC)
     Tm = _unit_lower_inverse(A, BC, LOG2_BC, INV_PREC)
     p = (rows.to(tl.int64) * H + i_h)[:, None] * BC + o_r[None, :]
-    tl.store(tinv + p, Tm, mask=m_r[:, None])
+    tl.store(tinv + p, Tm.to(tinv.dtype.element_ty), mask=m_r[:, None])
 
 
 @triton.jit
@@ -406,12 +406,12 @@ def _sub_chunk_grads(
     dkb = (_dot(tl.trans(dPG), qs, PREC) + dKt * ed[:, None] + dX * (bb * eg)[:, None]
            + _dot(Gk, kb, PREC) + _dot(tl.trans(Gk), kb, PREC))
     dvb = dY * bb[:, None]
-    dbb = eg * tl.sum(dX * kb, 1) + tl.sum(dY * vb, 1) + tl.sum(dA * Bkk, 1)
+    xk = tl.sum(dX * kb, 1)  # ⟨dX_r, k_r⟩; ⟨dX_r, X_r⟩ = β_r a_r ⟨dX_r, k_r⟩
+    dbb = eg * xk + tl.sum(dY * vb, 1) + tl.sum(dA * Bkk, 1)
     E = dP * Pm + dA * A
     Fk = tl.sum(dKt * Kt, 1)
-    dgam = tl.sum(dQt * Qt, 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + tl.sum(dX * X, 1)
-    dgL = dgL + tl.sum(Fk, 0)
-    dgb = tl.sum(dgam, 0) - tl.cumsum(dgam, axis=0) + dgam + dgL
+    dgam = tl.sum(dQt * Qt, 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + bb * eg * xk
+    dgb = tl.cumsum(dgam, axis=0, reverse=True) + dgL + tl.sum(Fk, 0)
     if NORM_QK:
         dqb = rq[:, None] * (dqb - qb * tl.sum(qb * dqb, 1)[:, None])
         dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])

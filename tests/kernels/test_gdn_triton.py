@@ -583,6 +583,29 @@ def test_compile_fullgraph_matches_eager(bwd_path, large_head, precisions, tunin
         torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("dtype, t_bf16, large_head, want", [
+    (torch.bfloat16, None, False, torch.bfloat16),   # the K = 32 table entry rounds T to bf16 in every dot
+    (torch.bfloat16, False, False, torch.float32),   # gdn_dot_precision "bf16": T's dots stay tf32
+    (torch.float32, None, False, torch.float32),
+    (torch.bfloat16, None, True, torch.float32),     # the large-head path keeps its chunk-wide T in fp32
+], ids=["bf16-table", "bf16-t-tf32", "fp32", "bf16-large-head"])
+def test_saved_t_dtype(dtype, t_bf16, large_head, want, tuning):
+    """The saved T is stored in bf16 exactly where its dots round it to bf16; the fake
+    implementation (what torch.compile traces) agrees with the launcher's choice."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if large_head:
+        tuning[(32, 32)] = Config(BT=32, BC=16, BV=32, large_head=True, dot_bf16=True, t_bf16=True)
+    cfg = gdn_chunk._overridden(gdn_chunk.get_config(32, 32), None, t_bf16)
+    assert gdn_chunk.saved_t_dtype(cfg, dtype) == want
+    with FakeTensorMode():
+        q, k = (torch.empty(1, 64, 2, 32, dtype=dtype) for _ in range(2))
+        v = torch.empty(1, 64, 2, 32, dtype=dtype)
+        g, beta = torch.empty(1, 64, 2), torch.empty(1, 64, 2, dtype=dtype)
+        *_, tinv = torch.ops.hymo_kernels.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.2, True, None, t_bf16)
+    assert tinv.dtype == want
+
+
 def test_config_change_between_forward_and_backward_raises(tuning):
     x = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
     t = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
