@@ -482,6 +482,8 @@ class Case:
         self.p = gdn_chunk.make_problem(x["q"], x["k"], x["v"], x["g"], x["beta"], None, K**-0.5, True, cfg)
         p, z = self.p, dict(dtype=torch.float32, device=DEVICE)
         self.tinv = torch.zeros(B, T, H, cfg.t_width, dtype=gdn_chunk.saved_t_dtype(cfg, dtype), device=DEVICE)
+        if p.gbp is not None:
+            p.gbp.zero_()  # the γβ pack, as _wy_inverse / _bwd_prep would leave it
         self.mn = torch.zeros(p.NC, H, K, K + V, **z)
         self.mr = torch.zeros(p.NC, H, K, K + V, **z)
         self.states = torch.zeros(p.NC, H, K, V, **z)

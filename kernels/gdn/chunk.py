@@ -350,6 +350,10 @@ class Problem:
     NC: int
     spans: torch.Tensor
     offs: torch.Tensor
+    # the γβ pack [NC, H, BT/BC, 2, BC] fp32 of the default path: γ (in-sub-chunk cumsum of g)
+    # and β per sub-chunk, contiguous; written by _wy_inverse (forward) and _bwd_prep (backward)
+    # for the kernels after them, which would otherwise load g and β as 16 strided values each
+    gbp: torch.Tensor | None = None
 
 
 def large_head_warp_limit(capability: tuple[int, int]) -> int | None:
@@ -395,7 +399,9 @@ def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None =
         spans = offs = torch.empty(2, dtype=torch.int32, device=q.device)
     else:
         spans, offs = _varlen_tables(cu_seqlens, NC, cfg.BT)
-    return Problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg, B, T, H, K, V, N, NC, spans, offs)
+    gbp = None if cfg.large_head else torch.empty(NC, H, cfg.BT // cfg.BC, 2, cfg.BC, dtype=torch.float32,
+                                                   device=q.device)
+    return Problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg, B, T, H, K, V, N, NC, spans, offs, gbp)
 
 
 def _tprec(cfg: Config, dtype: torch.dtype) -> str:
@@ -423,7 +429,7 @@ def run_wy_inverse(p: Problem) -> torch.Tensor:
     c = p.cfg
     tinv = torch.empty(p.B, p.T, p.H, c.BC, dtype=saved_t_dtype(c, p.q.dtype), device=p.q.device)
     _kern._wy_inverse_kernel[(p.NC, p.H, c.BT // c.BC)](
-        p.k, p.g, p.beta, tinv, p.spans, p.T, LOG2_BC=int(math.log2(c.BC)), INV_PREC=c.inverse_prec,
+        p.k, p.g, p.beta, tinv, p.gbp, p.spans, p.T, LOG2_BC=int(math.log2(c.BC)), INV_PREC=c.inverse_prec,
         **_geom(p), **_kw(c.wy_inverse))
     return tinv
 
@@ -433,7 +439,7 @@ def run_fwd_prep(p: Problem, tinv: torch.Tensor) -> torch.Tensor:
     BZ = p.cfg.tile("fwd_prep")
     mn = torch.empty(p.NC, p.H, p.K, p.K + p.V, dtype=torch.float32, device=p.q.device)
     _kern._fwd_prep_kernel[(p.NC, p.H, _cdiv(p.K + p.V, BZ))](
-        p.k, p.v, p.g, p.beta, tinv, mn, p.spans, p.T, V=p.V, BZ=BZ, **_geom(p), **_kw(p.cfg.fwd_prep))
+        p.k, p.v, p.gbp, tinv, mn, p.spans, p.T, V=p.V, BZ=BZ, **_geom(p), **_kw(p.cfg.fwd_prep))
     return mn
 
 
@@ -456,7 +462,7 @@ def run_fwd_out(p: Problem, tinv: torch.Tensor, states: torch.Tensor) -> torch.T
     o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=p.q.device)
     save = dict(SAVE_SUB=True, NS=p.cfg.slots) if p.cfg.slots > 1 else {}
     _kern._fwd_out_kernel[(p.NC, p.H, _cdiv(p.V, BV))](
-        p.q, p.k, p.v, p.g, p.beta, tinv, o, states, p.spans, p.T, p.scale, V=p.V, BV=BV, **_geom(p),
+        p.q, p.k, p.v, p.gbp, tinv, o, states, p.spans, p.T, p.scale, V=p.V, BV=BV, **_geom(p),
         **save, **_kw(p.cfg.fwd_out))
     return o
 
@@ -466,7 +472,7 @@ def run_bwd_prep(p: Problem, tinv: torch.Tensor, do: torch.Tensor) -> torch.Tens
     BZ = p.cfg.tile("bwd_prep")
     mr = torch.empty(p.NC, p.H, p.K, p.K + p.V, dtype=torch.float32, device=p.q.device)
     _kern._bwd_prep_kernel[(p.NC, p.H, _cdiv(p.K + p.V, BZ))](
-        p.q, p.k, p.g, p.beta, tinv, do, mr, p.spans, p.T, p.scale, V=p.V, BZ=BZ, **_geom(p),
+        p.q, p.k, p.g, p.beta, tinv, do, mr, p.gbp, p.spans, p.T, p.scale, V=p.V, BZ=BZ, **_geom(p),
         **_kw(p.cfg.bwd_prep))
     return mr
 
@@ -501,7 +507,7 @@ def run_bwd_local(p: Problem, tinv, do, states, dstates):
     scratch = torch.empty(p.NC, H, NV, NS, K, BV, dtype=torch.float32, device=p.q.device)
     dq, dk, dv, dg, db = grads = _grad_buffers(p, NV)
     _kern._bwd_local_kernel[(p.NC, H, NV)](
-        p.q, p.k, p.v, p.g, p.beta, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, p.spans, p.T,
+        p.q, p.k, p.v, p.gbp, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, p.spans, p.T,
         p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, **_geom(p), **_kw(p.cfg.bwd_local))
     return _sum_parts(p, *grads)
 
@@ -511,7 +517,7 @@ def run_bwd_dstate(p: Problem, tinv, do, dsub) -> torch.Tensor:
     whose first slot per chunk holds the chunk's end-state gradient from the reverse pass)."""
     BV = p.cfg.tile("bwd_dstate")
     _kern._bwd_dstate_kernel[(p.NC, p.H, _cdiv(p.V, BV))](
-        p.q, p.k, p.g, p.beta, tinv, do, dsub, p.spans, p.T, p.scale, V=p.V, BV=BV, NS=p.cfg.BT // p.cfg.BC,
+        p.q, p.k, p.gbp, tinv, do, dsub, p.spans, p.T, p.scale, V=p.V, BV=BV, NS=p.cfg.BT // p.cfg.BC,
         **_geom(p), **_kw(p.cfg.bwd_dstate))
     return dsub
 
@@ -525,7 +531,7 @@ def run_bwd_sub(p: Problem, tinv, do, sub_states, dsub):
     B, T, H, K = p.B, p.T, p.H, p.K
     dq, dk, dv, dg, db = grads = _grad_buffers(p, NV)
     _kern._bwd_sub_kernel[(p.NC * NS, H, NV)](
-        p.q, p.k, p.v, p.g, p.beta, tinv, do, sub_states, dsub, dq, dk, dv, dg, db, p.spans, p.T,
+        p.q, p.k, p.v, p.gbp, tinv, do, sub_states, dsub, dq, dk, dv, dg, db, p.spans, p.T,
         p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NS=NS, **_geom(p), **_kw(p.cfg.bwd_sub))
     return _sum_parts(p, *grads)
 

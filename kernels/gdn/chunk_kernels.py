@@ -80,15 +80,14 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _gram(kb, gb, bb, BC: tl.constexpr, PREC: tl.constexpr):
-    """γ (in-sub-chunk cumsum of g), Γ strictly lower, B = (K Kᵀ) ⊙ Γ and A = diag(β) B."""
+def _gram(kb, gam, bb, BC: tl.constexpr, PREC: tl.constexpr):
+    """From γ (the in-sub-chunk cumsum of g): Γ strictly lower, B = (K Kᵀ) ⊙ Γ and A = diag(β) B."""
     o_r = tl.arange(0, BC)
-    gam = tl.cumsum(gb, axis=0)
     lower = o_r[:, None] > o_r[None, :]
     # exp only of differences that are ≤ 0: the masked ones could overflow to inf
     decay = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
     Bkk = _dot(kb, tl.trans(kb), PREC) * decay
-    return gam, decay, Bkk, Bkk * bb[:, None]
+    return decay, Bkk, Bkk * bb[:, None]
 
 
 @triton.jit
@@ -130,6 +129,34 @@ def _load_vec(ptr, rows, m_r, i_h, H: tl.constexpr):
 
 
 @triton.jit
+def _gb_slot(gbp, i_c, i_h, s, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Sub-chunk s of chunk i_c in the γβ pack [NC, H, BT/BC, 2, BC] (fp32): γ (the in-sub-chunk
+    cumsum of g, continued with g = 0 past the sequence end) then β (0 there)."""
+    return gbp + (((i_c * H + i_h) * (BT // BC) + s) * 2) * BC
+
+
+@triton.jit
+def _load_gam_beta(g, beta, rows, m_r, i_h, H: tl.constexpr):
+    """γ, γ_L and β of a sub-chunk from the inputs (g and β are [*, H]: 16 strided loads each)."""
+    gb = _load_vec(g, rows, m_r, i_h, H)
+    return tl.cumsum(gb, axis=0), tl.sum(gb, 0), _load_vec(beta, rows, m_r, i_h, H)
+
+
+@triton.jit
+def _store_gam_beta(p, gam, bb, BC: tl.constexpr):
+    o_r = tl.arange(0, BC)
+    tl.store(p + o_r, gam)
+    tl.store(p + BC + o_r, bb)
+
+
+@triton.jit
+def _load_packed(p, BC: tl.constexpr):
+    """γ, γ_L and β of a sub-chunk from its γβ pack slot (two contiguous 64-byte rows)."""
+    o_r = tl.arange(0, BC)
+    return tl.load(p + o_r), tl.load(p + BC - 1), tl.load(p + BC + o_r)
+
+
+@triton.jit
 def _l2norm_rows(x, NORM: tl.constexpr):
     """Rows divided by sqrt(Σx² + 1e-6) when NORM (fla's l2norm); also returns the factor."""
     if NORM:
@@ -147,14 +174,15 @@ def _l2norm_rows(x, NORM: tl.constexpr):
 
 @triton.jit
 def _wy_inverse_kernel(
-    k, g, beta, tinv, chunk_spans, T,
+    k, g, beta, tinv, gbp, chunk_spans, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
     INV_PREC: tl.constexpr,
 ):
-    """T = (I + A)⁻¹ of one sub-chunk, stored row by row beside its tokens ([B, T, H, BC]).
-    One sub-chunk per program: the only long dependency chain of the WY algebra runs at full
-    occupancy here, once per training step, instead of inside every other kernel."""
+    """T = (I + A)⁻¹ of one sub-chunk, stored row by row beside its tokens ([B, T, H, BC]), and
+    its γβ pack slot for the forward kernels. One sub-chunk per program: the only long
+    dependency chain of the WY algebra runs at full occupancy here, once per training step,
+    instead of inside every other kernel."""
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -167,9 +195,9 @@ def _wy_inverse_kernel(
     rows = r0 + o_r
     m_r = rows < eos
     kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
-    gb = _load_vec(g, rows, m_r, i_h, H)
-    bb = _load_vec(beta, rows, m_r, i_h, H)
-    gam, decay, Bkk, A = _gram(kb, gb, bb, BC, TPREC)
+    gam, _, bb = _load_gam_beta(g, beta, rows, m_r, i_h, H)
+    _store_gam_beta(_gb_slot(gbp, i_c, i_h, i_s, H, BT, BC), gam, bb, BC)
+    _, _, A = _gram(kb, gam, bb, BC, TPREC)
     Tm = _unit_lower_inverse(A, BC, LOG2_BC, INV_PREC)
     p = (rows.to(tl.int64) * H + i_h)[:, None] * BC + o_r[None, :]
     tl.store(tinv + p, Tm.to(tinv.dtype.element_ty), mask=m_r[:, None])
@@ -177,7 +205,7 @@ def _wy_inverse_kernel(
 
 @triton.jit
 def _fwd_prep_kernel(
-    k, v, g, beta, tinv, mn, chunk_spans, T,
+    k, v, gbp, tinv, mn, chunk_spans, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BZ: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
@@ -202,12 +230,9 @@ def _fwd_prep_kernel(
         rows = t0 + s * BC + o_r
         m_r = rows < eos
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
-        gb = _load_vec(g, rows, m_r, i_h, H)
-        bb = _load_vec(beta, rows, m_r, i_h, H)
+        gam, gL, bb = _load_packed(_gb_slot(gbp, i_c, i_h, s, H, BT, BC), BC)
         yb = _load_rows(v, rows, m_r, i_h, H, V, o_z - K, m_zv) * bb[:, None]
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        gam = tl.cumsum(gb, axis=0)
-        gL = tl.sum(gb, 0)
         W = _dot(Tm, kb * (bb * tl.exp(gam))[:, None], TPREC)
         vn = _dot(Tm, yb, TPREC) - _dot(W, Z, PREC)
         Kt = kb * tl.exp(gL - gam)[:, None]
@@ -272,7 +297,7 @@ def _state_pass_kernel(
 
 @triton.jit
 def _fwd_out_kernel(
-    q, k, v, g, beta, tinv, o, states, chunk_spans, T, scale,
+    q, k, v, gbp, tinv, o, states, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
@@ -305,11 +330,8 @@ def _fwd_out_kernel(
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         qb, _ = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
-        gb = _load_vec(g, rows, m_r, i_h, H)
-        bb = _load_vec(beta, rows, m_r, i_h, H)
+        gam, gL, bb = _load_packed(_gb_slot(gbp, i_c, i_h, s, H, BT, BC), BC)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        gam = tl.cumsum(gb, axis=0)
-        gL = tl.sum(gb, 0)
         eg = tl.exp(gam)
         W = _dot(Tm, kb * (bb * eg)[:, None], TPREC)
         vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
@@ -329,14 +351,12 @@ def _fwd_out_kernel(
 
 
 @triton.jit
-def _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC: tl.constexpr, PREC: tl.constexpr,
+def _adjoint_step(qb, kb, gam, gL, bb, Tm, dob, dZ, scale, BC: tl.constexpr, PREC: tl.constexpr,
                   TPREC: tl.constexpr):
     """Gradient of a sub-chunk's start state from the gradient dZ of its end state and dO
     (only the state path: dv' = Pᵀ dO + K̃ dZ; dZ ← (Q ⊙ e^γ)ᵀ dO + e^{γ_L} dZ − Wᵀ dv')."""
     o_r = tl.arange(0, BC)
     incl = o_r[:, None] >= o_r[None, :]
-    gam = tl.cumsum(gb, axis=0)
-    gL = tl.sum(gb, 0)
     eg = tl.exp(gam)
     W = _dot(Tm, kb * (bb * eg)[:, None], TPREC)
     qs = qb * scale
@@ -350,7 +370,7 @@ def _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC: tl.constexpr, PREC: tl
 
 @triton.jit
 def _sub_chunk_grads(
-    q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale, part_qk, part_t,
+    q, k, v, p_gb, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale, part_qk, part_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
     NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr, WANT_DS: tl.constexpr,
 ):
@@ -369,11 +389,9 @@ def _sub_chunk_grads(
     qb, rq = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
     vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
     dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
-    gb = _load_vec(g, rows, m_r, i_h, H)
-    bb = _load_vec(beta, rows, m_r, i_h, H)
+    gam, gL, bb = _load_packed(p_gb, BC)
     Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-    gam, decay, Bkk, A = _gram(kb, gb, bb, BC, PREC)
-    gL = tl.sum(gb, 0)
+    decay, Bkk, A = _gram(kb, gam, bb, BC, PREC)
     eg = tl.exp(gam)
     egL = tl.exp(gL)
     ed = tl.exp(gL - gam)
@@ -431,14 +449,15 @@ def _sub_chunk_grads(
 
 @triton.jit
 def _bwd_prep_kernel(
-    q, k, g, beta, tinv, do, mr, chunk_spans, T, scale,
+    q, k, g, beta, tinv, do, mr, gbp, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BZ: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
 ):
     """[Mᵀ | R] of one chunk: the adjoint sub-chunk recurrence, last sub-chunk first,
     dv' = Pᵀ dO' + K̃ dZ; dZ ← (Q ⊙ e^γ)ᵀ dO' + e^{γ_L} dZ − Wᵀ dv', from dZ = [I | 0]
-    with dO' = [0 | dO]. R is the gradient of the chunk's start state from its own outputs."""
+    with dO' = [0 | dO]. R is the gradient of the chunk's start state from its own outputs.
+    The first column block's programs also write the γβ pack for the backward's later kernels."""
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_z = tl.program_id(2)
@@ -460,17 +479,18 @@ def _bwd_prep_kernel(
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         qb, _ = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         dob = _load_rows(do, rows, m_r, i_h, H, V, o_z - K, m_zv)
-        gb = _load_vec(g, rows, m_r, i_h, H)
-        bb = _load_vec(beta, rows, m_r, i_h, H)
+        gam, gL, bb = _load_gam_beta(g, beta, rows, m_r, i_h, H)
+        if i_z == 0:
+            _store_gam_beta(_gb_slot(gbp, i_c, i_h, s, H, BT, BC), gam, bb, BC)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        dZ = _adjoint_step(qb, kb, gb, bb, Tm, dob, dZ, scale, BC, PREC, TPREC)
+        dZ = _adjoint_step(qb, kb, gam, gL, bb, Tm, dob, dZ, scale, BC, PREC, TPREC)
     p = mr + ((i_c * H + i_h) * K + o_k[:, None]) * (K + V) + o_z[None, :]
     tl.store(p, dZ, mask=m_z[None, :])
 
 
 @triton.jit
 def _bwd_local_kernel(
-    q, k, v, g, beta, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, chunk_spans, T, scale,
+    q, k, v, gbp, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, chunk_spans, T, scale,
     part_qk, part_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
@@ -499,11 +519,8 @@ def _bwd_local_kernel(
         m_r = rows < eos
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
-        gb = _load_vec(g, rows, m_r, i_h, H)
-        bb = _load_vec(beta, rows, m_r, i_h, H)
+        gam, gL, bb = _load_packed(_gb_slot(gbp, i_c, i_h, s, H, BT, BC), BC)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        gam = tl.cumsum(gb, axis=0)
-        gL = tl.sum(gb, 0)
         W = _dot(Tm, kb * (bb * tl.exp(gam))[:, None], TPREC)
         vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
         Kt = kb * tl.exp(gL - gam)[:, None]
@@ -517,13 +534,14 @@ def _bwd_local_kernel(
         S = tl.load(p_scr + s * K * BV)
         rows = t0 + s * BC + o_r
         m_r = rows < eos
-        dS = _sub_chunk_grads(q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale,
+        dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db, rows,
+                              m_r, i_h, i_v, S, dS, scale,
                               part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True)
 
 
 @triton.jit
 def _bwd_dstate_kernel(
-    q, k, g, beta, tinv, do, dsub, chunk_spans, T, scale,
+    q, k, gbp, tinv, do, dsub, chunk_spans, T, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
@@ -548,16 +566,15 @@ def _bwd_dstate_kernel(
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         qb, _ = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
         dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
-        gb = _load_vec(g, rows, m_r, i_h, H)
-        bb = _load_vec(beta, rows, m_r, i_h, H)
+        gam, gL, bb = _load_packed(_gb_slot(gbp, i_c, i_h, s, H, BT, BC), BC)
         Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        dS = _adjoint_step(qb, kb, gb, bb, Tm, dob, dS, scale, BC, PREC, TPREC)
+        dS = _adjoint_step(qb, kb, gam, gL, bb, Tm, dob, dS, scale, BC, PREC, TPREC)
     tl.store(dsub + p_s, dS, mask=m_v[None, :])
 
 
 @triton.jit
 def _bwd_sub_kernel(
-    q, k, v, g, beta, tinv, do, sub_states, dsub, dq, dk, dv, dg, db, chunk_spans, T, scale,
+    q, k, v, gbp, tinv, do, sub_states, dsub, dq, dk, dv, dg, db, chunk_spans, T, scale,
     part_qk, part_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
@@ -581,5 +598,6 @@ def _bwd_sub_kernel(
     S = tl.load(sub_states + p_s, mask=m_v[None, :], other=0.0)
     dS = tl.load(dsub + p_s, mask=m_v[None, :], other=0.0)
     rows = r0 + tl.arange(0, BC)
-    _sub_chunk_grads(q, k, v, g, beta, tinv, do, dq, dk, dv, dg, db, rows, rows < eos, i_h, i_v, S, dS, scale,
+    _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, i_cs % NS, H, BT, BC), tinv, do, dq, dk, dv, dg, db, rows,
+                     rows < eos, i_h, i_v, S, dS, scale,
                      part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, False)

@@ -86,10 +86,11 @@ def _lh_inverse_kernel(
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, o_k < K), NORM_QK)
         gb = _load_vec(g, rows, m_r, i_h, H)
         bb = _load_vec(beta, rows, m_r, i_h, H)
-        gam = tl.cumsum(gb, axis=0) + off
+        gam_i = tl.cumsum(gb, axis=0)
+        gam = gam_i + off
         off = off + tl.sum(gb, 0)
         tl.store(gcum + rows.to(tl.int64) * H + i_h, gam, mask=m_r)
-        _, _, _, A = _gram(kb, gb, bb, BC, TPREC)
+        _, _, A = _gram(kb, gam_i, bb, BC, TPREC)
         Tii = _unit_lower_inverse(A, BC, LOG2_BC, INV_PREC)
         R = tl.where(o_r[:, None] + i * BC == o_t[None, :], 1.0, 0.0)
         tl.debug_barrier()  # the earlier blocks' rows of T and γ are in memory
