@@ -15,8 +15,10 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   ``_fwd_prep`` computes [M | N] for every chunk in parallel by running the sub-chunk
   recurrence on the augmented state [I | 0]. The only sequential loop left is
   ``_state_pass``: one K×K @ K×V product per chunk. The backward does the same with [Mᵀ | R].
-- ``_fwd_out`` and ``_bwd_local`` recompute inside a chunk from q, k, v, g, beta, T and the
-  chunk's fp32 boundary state, so no w, u or v_new tensor reaches HBM.
+- ``_fwd_out`` and ``_bwd_local`` recompute inside a chunk from q, k, v, T, the γβ pack and
+  the chunk's fp32 boundary state, so no w, u or v_new tensor reaches HBM. The γβ pack holds
+  each sub-chunk's γ (cumsum of g) and β as two contiguous rows; ``_wy_inverse`` writes it for
+  the forward, ``_bwd_prep`` for the backward.
 - Every tile is exactly K or V wide (no padding of 32 to 64). V can be split across
   programs.
 - Split backward (``Config.bwd_split``, an alternative to ``_bwd_local``, off by default until
