@@ -380,9 +380,12 @@ def time_impl(impl, shape, rep=200):
 
 
 def kernel_breakdown(impl, shape, iters=10):
-    """Mean CUDA time per kernel name over `iters` forward+backward calls (torch.profiler)."""
+    """Mean CUDA time per kernel name over `iters` forward+backward calls (torch.profiler), the
+    longest first; their sum is the GPU time of one fwd+bwd. Empty on the CPU (--smoke)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if DEVICE != "cuda":
+        return []
     x = make_inputs(shape, torch.bfloat16)
     t = [x[n].requires_grad_() for n in NAMES]
     do = torch.randn_like(x["v"])
@@ -1036,22 +1039,29 @@ def main(argv=None):
             spread = f"  f+b rounds {min(r[1] for r in rs):.3f}-{max(r[1] for r in rs):.3f}" if len(rs) > 1 else ""
             log(f"  {name:5s} fwd {times[name][0]:8.3f} ms   fwd+bwd {times[name][1]:8.3f} ms{spread}"
                 f"  (t = {time.time() - t_start:.0f}s)")
-        for name, cfg in mine:
+        # GPU time (the kernels' sum): at the HyMo shape the wall time of an eager fwd+bwd is the
+        # host's (kernels README, Host time), so the table shows both
+        gpu = {}
+        for name, impl, cfg in [(n, ours, c) for n, c in mine] + [("fla", fla_impl, None)]:
+            if impl is None or name not in times:
+                continue
             try:
                 with variant(shape, cfg):
-                    rows = kernel_breakdown(ours, shape)[:10] if DEVICE == "cuda" else []
+                    rows = kernel_breakdown(impl, shape)
             except Exception as e:  # noqa: BLE001
                 log(f"  {name}: profiler failed: {e!r}")
                 continue
-            kernels[name] = [dict(ms=ms, kernel=kname) for ms, kname in rows]
-            for ms, kname in rows:
+            if rows:
+                gpu[name] = sum(ms for ms, _ in rows)
+            kernels[name] = [dict(ms=ms, kernel=kname) for ms, kname in rows[:10]]
+            for ms, kname in rows[:10]:
                 log(f"    {name} kernel {ms:7.3f} ms  {kname[:90]}")
         fb, fbb = min_bytes(shape)
-        res.update(times={n: dict(fwd_ms=t[0], fwdbwd_ms=t[1]) for n, t in times.items()}, parity_ok=ok,
+        res.update(times={n: dict(fwd_ms=t[0], fwdbwd_ms=t[1]) for n, t in times.items()}, parity_ok=ok, gpu_ms=gpu,
                    rounds={n: [dict(fwd_ms=t[0], fwdbwd_ms=t[1]) for t in rs] for n, rs in per_round.items()},
                    config={name: dataclasses.asdict(cfg) for name, cfg in mine}, kernels=kernels,
                    min_bytes_fwd=fb, min_bytes_fwdbwd=fbb)
-        table.append((shape, times, ok, fb, fbb))
+        table.append((shape, times, ok, fb, fbb, gpu))
         if args.json:  # after every shape: a run cut by its time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1, default=str)
@@ -1060,8 +1070,9 @@ def main(argv=None):
     log(f"# summary ({dev}, torch {torch.__version__}, triton {triton.__version__}; bf16, median ms; "
         f"BW = minimal bytes / time vs copy {bw:.2f} TB/s)")
     log(f"{'shape':24s} {'variant':13s} {'ours fwd':>9s} {'fla fwd':>9s} {'eager fwd':>10s} {'ours f+b':>9s} "
-        f"{'fla f+b':>9s} {'eager f+b':>10s} {'vs fla':>7s} {'vs eager':>8s} {'BW f+b':>7s} {'goal':>6s} parity")
-    for shape, times, ok, fb, fbb in table:
+        f"{'fla f+b':>9s} {'eager f+b':>10s} {'vs fla':>7s} {'vs eager':>8s} {'BW f+b':>7s} {'goal':>6s} "
+        f"{'ours GPU':>9s} {'fla GPU':>8s} {'GPU vs fla':>10s} parity")
+    for shape, times, ok, fb, fbb, gpu in table:
         def g(n, i):
             return times[n][i] if n in times else float("nan")
 
@@ -1071,13 +1082,16 @@ def main(argv=None):
             ratio_eager = g("eager", 1) / o_fb if good else float("nan")
             bwf = fbb / (o_fb * 1e-3) / 1e12 / bw
             goal = GOAL_MS.get(shape)
+            nan = float("nan")
+            o_gpu, f_gpu = gpu.get(name, nan), gpu.get("fla", nan)
             log(f"{str(shape):24s} {name:13s} {o_f:9.3f} {g('fla', 0):9.3f} {g('eager', 0):10.2f} {o_fb:9.3f} "
                 f"{g('fla', 1):9.3f} {g('eager', 1):10.2f} {ratio_fla:6.1f}x {ratio_eager:7.0f}x {bwf:6.0%} "
-                f"{(f'{goal:.2f}' if goal else '-'):>6s} {'ok' if good else 'FAILED (no speedup reported)'}")
+                f"{(f'{goal:.2f}' if goal else '-'):>6s} {o_gpu:9.3f} {f_gpu:8.3f} "
+                f"{(f_gpu / o_gpu if good else nan):9.1f}x {'ok' if good else 'FAILED (no speedup reported)'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
-    bad = [(str(shape), name) for shape, times, ok, _, _ in table for name, good in ok.items()
+    bad = [(str(shape), name) for shape, times, ok, *_ in table for name, good in ok.items()
            if not good or name not in times]
     if bad:  # parity failed or ours could not be timed: not a benchmark result
         sys.exit(f"benchmark failed (parity or timing of ours) at {bad}")

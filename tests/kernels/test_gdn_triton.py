@@ -436,6 +436,30 @@ def test_bench_smoke_and_failed_parity_exit(tmp_path, monkeypatch):
         bench.DEVICE = "cuda"
 
 
+@pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
+def test_bench_reports_gpu_time(tmp_path, monkeypatch, capsys):
+    """The summary and the JSON carry the GPU time of ours (the sum of the profiled kernels)
+    beside the wall time; here from a stand-in profile, since the CPU has none."""
+    import json
+
+    from hymo_kernels.gdn import bench
+
+    monkeypatch.setattr(bench, "kernel_breakdown", lambda impl, shape: [(0.5, "_bwd_local_kernel"), (0.25, "_fwd_out")])
+    out = tmp_path / "bench.json"
+    try:
+        bench.main(["--smoke", "--shapes", "1,20,1,16,16", "--no-fla", "--no-eager", "--no-parity", "--rounds", "1",
+                    "--json", str(out)])
+    finally:
+        bench.DEVICE = "cuda"
+    rec = json.loads(out.read_text())["shapes"]["(1, 20, 1, 16, 16)"]
+    assert rec["gpu_ms"] == {"ours": 0.75}
+    assert [k["kernel"] for k in rec["kernels"]["ours"]] == ["_bwd_local_kernel", "_fwd_out"]
+    text = capsys.readouterr().out
+    header, row = [ln for ln in text.splitlines() if ln.startswith("shape ") or ln.startswith("(1, 20, 1, 16, 16) ")][-2:]
+    assert "ours GPU" in header and "GPU vs fla" in header
+    assert row.split()[-4] == "0.750"  # ours GPU; then fla GPU (nan: no fla), the ratio and "ok"
+
+
 class _OpNames:
     """Records the aten / custom op names dispatched inside a `with` block (`fills`: the ones
     that write a constant other than nan_poison's NaN)."""
