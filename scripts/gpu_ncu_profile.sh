@@ -44,7 +44,7 @@ for S in ${SHAPES}; do
     echo "ncu ${S}: exit ${rc}"
     [ ${rc} = 0 ] || { tail -20 "${WORK}/ncu_${tag}.log"; exit 1; }
     "${NCU}" --import "${WORK}/r_${tag}.ncu-rep" --page raw --csv > "${WORK}/raw_${tag}.csv"
-    for k in $(python3 -c "import csv, sys; r = list(csv.reader(open(sys.argv[1]))); i = r[0].index('Kernel Name'); print(' '.join(sorted({x[i] for x in r[2:]})))" "${WORK}/raw_${tag}.csv"); do
+    for k in $(python3 -c "import sys; from hymo_kernels.gdn.ncu_profile import read_raw; print(' '.join(sorted({r['kernel'] for r in read_raw(sys.argv[1])})))" "${WORK}/raw_${tag}.csv"); do
         "${NCU}" --import "${WORK}/r_${tag}.ncu-rep" --page source --print-source cuda,sass --csv \
             --kernel-name "${k}" > "${WORK}/src_${k#_}_${tag}.csv"
     done

@@ -412,7 +412,7 @@ def _tprec(cfg: Config, dtype: torch.dtype) -> str:
 
 def saved_t_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
     """dtype of the saved T for inputs of this dtype: bf16 where every dot with it rounds it to
-    bf16 anyway (the default path with t_bf16), which halves the bytes five kernels read; else fp32."""
+    bf16 anyway (the default path with t_bf16), which halves the bytes the four kernels reading it load; else fp32."""
     return torch.bfloat16 if _tprec(cfg, dtype) == "bf16" and not cfg.large_head else torch.float32
 
 
