@@ -29,7 +29,7 @@ g fp32 (as the model makes them), no initial state, no final state.
 ``--tune`` (GPU) tunes the launch of each kernel alone, on its own inputs, per shape (K = V =
 128 first): parity of the default config (bf16, fp32), then the chunk size BT (every kernel at
 its default launch), then per kernel warps × column tile at one stage and then the stage count
-(triton.testing.do_bench each). Worker processes precompile each batch of variants in parallel
+(``--full-grid``: warps × tile × stages in one round; triton.testing.do_bench each). Worker processes precompile each batch of variants in parallel
 into Triton's cache first. It prints the winners as ``chunk.TABLE`` entries, checks the tuned
 config's bf16 parity and times fwd+bwd with the default and the tuned config (fla: live at the
 end if the budget allows, else the numbers from the notes), within ``--budget-s``, writing the
@@ -640,15 +640,18 @@ def time_kernel(case, kname, cfg):
         return float("inf")
 
 
-def kernel_variants(kname, cfg, K, V, warps, stages, nregs=(0,)):
+def kernel_variants(kname, cfg, K, V, warps, stages, nregs=(0,), full_grid=False):
     """Round A: the default, then warps × column tile at 1 stage; round B: the other stage
     counts at round A's winner (the inverse kernel has no loop, so no stages for it); round C:
-    the register caps at round B's winner (none unless --nregs names one)."""
+    the register caps at round B's winner (none unless --nregs names one). full_grid: round A
+    is warps × tile × stages and there is no round B (the best stage count can depend on the
+    warps: twelfth session, BENCHMARKS.md)."""
     tiles = tile_choices(kname, K, V) if kname in _TILED else [0]
+    loop_stages = [1] if kname in ("wy_inverse", "lh_inverse") else [1] + [s for s in stages if s != 1]
     # round A keeps the kernel's register cap (the large-head kernels' default, see chunk.Config)
-    a = [getattr(cfg, kname)] + [KernelCfg(w, 1, t, getattr(cfg, kname).maxnreg) for w in warps for t in tiles]
-    b = ([] if kname in ("wy_inverse", "lh_inverse") or not [s for s in stages if s != 1]
-         else [1] + [s for s in stages if s != 1])
+    a = [getattr(cfg, kname)] + [KernelCfg(w, s, t, getattr(cfg, kname).maxnreg) for w in warps
+                                 for s in (loop_stages if full_grid else [1]) for t in tiles]
+    b = [] if full_grid or len(loop_stages) == 1 else loop_stages
     c = [] if not [n for n in nregs if n] else [0] + [n for n in nregs if n]
     return a, b, c
 
@@ -755,10 +758,10 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
 
-    # 3. per kernel, round A (warps × tile, 1 stage) then round B (stages at A's winner)
+    # 3. per kernel, round A (warps × tile, 1 stage; --full-grid: × stages) then round B (stages at A's winner)
     case = Case(shape, torch.bfloat16, cfg)
     nregs = [int(n) for n in args.nregs.split(",")] if args.nregs else [0]
-    variants = {k: kernel_variants(k, cfg, K, V, warps, stages, nregs) for k in kernels}
+    variants = {k: kernel_variants(k, cfg, K, V, warps, stages, nregs, args.full_grid) for k in kernels}
     rec["kernels"] = {}
     for rnd in (0, 1, 2):
         jobs = []
@@ -925,6 +928,9 @@ def main(argv=None):
                     help="--tune: processes precompiling the variants in parallel (0: none; default cores - 2, <= 12)")
     ap.add_argument("--warps", default="1,2,4,8", help="--tune: num_warps choices")
     ap.add_argument("--stages", default="1,2,3", help="--tune: num_stages choices")
+    ap.add_argument("--full-grid", action="store_true",
+                    help="--tune: time every warps × tile × stages launch per kernel instead of the stages at "
+                         "the best 1-stage launch only (more compiles: about len(--stages) times as many)")
     ap.add_argument("--nregs", default="", help="--tune: register caps (KernelCfg.maxnreg) tried last, e.g. 128,96 "
                     "(0: the compiler's choice, always a candidate then)")
     ap.add_argument("--bts", default="64,128,256", help="--tune: chunk sizes (multiples of BC)")

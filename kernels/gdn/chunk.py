@@ -206,9 +206,11 @@ TABLE: dict[tuple[int, int], dict] = {
     # these precisions at (1,32768,40) (three stages): GPU time -3 to -4 % at all three K = 32 shapes
     # (sixth session). t_bf16: fwd+bwd -5 to -6 % at K = 32 (eighth and ninth sessions); 200-step
     # hymo_small runs with and without it end level (final loss mean over seeds 1-4 -0.001, over
-    # those and seeds 42, 7 +0.014 with a per-seed spread of 0.03; ninth session, BENCHMARKS.md)
+    # those and seeds 42, 7 +0.014 with a per-seed spread of 0.03; ninth session, BENCHMARKS.md).
+    # fwd_prep 3 stages (a full warps x stages grid after the γβ pack, twelfth session): the kernel
+    # 0.082 -> 0.067 ms, fwd+bwd 0.914 -> 0.897 ms at (4,4096,40,32,32)
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
-                   wy_inverse=(1, 1), fwd_prep=(1, 2, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
+                   wy_inverse=(1, 1), fwd_prep=(1, 3, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 3, 64), bwd_local=(2, 3, 32),
                    bwd_split=False, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32),
                    bwd_sub=(1, 1, 32)),
@@ -216,11 +218,12 @@ TABLE: dict[tuple[int, int], dict] = {
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
     # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; t_bf16 5.59 -> 5.35 and 5.52 -> 5.38, eighth and ninth sessions;
-    # BENCHMARKS.md)
+    # BENCHMARKS.md); bwd_local (8, 3, 64) from the twelfth session's full grid: fwd+bwd 5.30 -> 5.05 ms
+    # (two value blocks: dq/dk/dg/dβ are fp32 partial sums, their sum included)
     (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, dot_bf16=True,
                      t_bf16=True, inverse_prec="tf32x3",
                      wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 1, 128),
-                     bwd_prep=(8, 3, 128), bwd_local=(8, 2, 128), bwd_dstate=(4, 3, 64), bwd_sub=(8, 1, 64)),
+                     bwd_prep=(8, 3, 128), bwd_local=(8, 3, 64), bwd_dstate=(4, 3, 64), bwd_sub=(8, 1, 64)),
     (256, 256): _UNTUNED,
 }
 

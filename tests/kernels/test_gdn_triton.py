@@ -364,6 +364,21 @@ def test_register_cap_launches():
 
 
 @pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
+def test_tune_variants_full_grid():
+    """--tune tries the stage counts at the best 1-stage launch only; --full-grid times every
+    warps × tile × stages launch (no stages for the loop-free inverse)."""
+    cfg = gdn_chunk.get_config(32, 32)
+    a, b, _ = bench.kernel_variants("fwd_prep", cfg, 32, 32, [1, 2], [1, 2, 3])
+    assert b == [1, 2, 3] and {(v.num_warps, v.num_stages, v.block) for v in a[1:]} == {
+        (w, 1, t) for w in (1, 2) for t in (32, 64)}
+    a, b, _ = bench.kernel_variants("fwd_prep", cfg, 32, 32, [1, 2], [1, 2, 3], full_grid=True)
+    assert b == [] and {(v.num_warps, v.num_stages, v.block) for v in a[1:]} == {
+        (w, s, t) for w in (1, 2) for s in (1, 2, 3) for t in (32, 64)}
+    assert a[0] == cfg.fwd_prep  # the table's launch first: the speed-ups are against it
+    a, b, _ = bench.kernel_variants("wy_inverse", cfg, 32, 32, [1, 2], [1, 2, 3], full_grid=True)
+    assert b == [] and {v.num_stages for v in a[1:]} == {1}
+
+
 def test_bench_tune_smoke(tmp_path, capsys):
     """bench.py --tune's code path (Case, per-kernel launches, parity, TABLE entry, JSON) on a
     tiny shape, so the GPU run does not fail for a trivial reason."""
