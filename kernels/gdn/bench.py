@@ -29,9 +29,10 @@ g fp32 (as the model makes them), no initial state, no final state.
 ``--tune`` (GPU) tunes the launch of each kernel alone, on its own inputs, per shape (K = V =
 128 first): parity of the default config (bf16, fp32), then the chunk size BT (every kernel at
 its default launch), then per kernel warps × column tile at one stage and then the stage count
-(``--full-grid``: warps × tile × stages in one round; triton.testing.do_bench each). Worker processes precompile each batch of variants in parallel
-into Triton's cache first. It prints the winners as ``chunk.TABLE`` entries, checks the tuned
-config's bf16 parity and times fwd+bwd with the default and the tuned config (fla: live at the
+(``--full-grid``: warps × tile × stages in one round; triton.testing.do_bench each). Worker
+processes precompile each batch of variants in parallel into Triton's cache first. It prints
+the winners as ``chunk.TABLE`` entries, checks the tuned config's bf16 and fp32 parity
+and times fwd+bwd with the default and the tuned config (fla: live at the
 end if the budget allows, else the numbers from the notes), within ``--budget-s``, writing the
 JSON after every shape.
 
@@ -807,13 +808,14 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     log(f"  tuned: {tuned}")
     log(f"  TABLE entry: {rec['table_entry']}")
 
-    # 4. end to end, bf16 fwd+bwd: default vs tuned (parity of the tuned config first)
-    if not pre.run([(shape, torch.bfloat16, tuned, "e2e")], deadline, "tuned e2e"):
+    # 4. end to end, bf16 fwd+bwd: default vs tuned (parity of the tuned config first, in both
+    # dtypes: fp32 inputs compile other kernels with the same launches)
+    if not pre.run([(shape, d, tuned, "e2e") for d in dtypes], deadline, "tuned e2e"):
         return False
     gdn_chunk.TUNING[(K, V)] = tuned
     try:
         if not args.no_parity:
-            prow = parity(shape, [("ours", ours, torch.bfloat16)], [0, H - 1], fast_ref=True)
+            prow = parity(shape, [("ours", ours, d) for d in dtypes], [0, H - 1], fast_ref=True)
             rec["parity_tuned"] = [dict(dtype=str(r[1]), errors=r[2], ok=r[3]) for r in prow]
         t_tuned = fwdbwd_ms(ours, shape)
     finally:
