@@ -363,7 +363,6 @@ def test_register_cap_launches():
     assert (again.fwd_out, again.wy_inverse, again.bwd_local) == (cfg.fwd_out, cfg.wy_inverse, cfg.bwd_local)
 
 
-@pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
 def test_tune_variants_full_grid():
     """--tune tries the stage counts at the best 1-stage launch only; --full-grid times every
     warps × tile × stages launch (no stages for the loop-free inverse)."""
@@ -379,6 +378,7 @@ def test_tune_variants_full_grid():
     assert b == [] and {v.num_stages for v in a[1:]} == {1}
 
 
+@pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
 def test_bench_tune_smoke(tmp_path, capsys):
     """bench.py --tune's code path (Case, per-kernel launches, parity, TABLE entry, JSON) on a
     tiny shape, so the GPU run does not fail for a trivial reason."""
