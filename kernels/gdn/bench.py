@@ -183,6 +183,8 @@ VARIANTS = {
     "default": {},
     "local": dict(bwd_split=False),
     "split": dict(bwd_split=True),
+    # _bwd_local on the sub-chunk states the forward saved, no forward sweep (twelfth session)
+    "local_sub": dict(bwd_split=False, local_sub_states=True),
     "bf16dots": dict(dot_bf16=True),
     "tf32dots": dict(dot_bf16=False),
     "inv_tf32x3": dict(inverse_prec="tf32x3"),

@@ -100,7 +100,12 @@ class Config:
     matrix of A also run on bf16 operands, as fla keeps its A in bf16. T's entries cancel when
     keys collapse. On an H200 (eighth session): 4-6 % less time, collapsed-keys error 9.4e-3 ->
     9.8e-3 at K = 32 (limit 0.02); 200-step training runs with and without it end level (six
-    seeds, ninth session). On in the K = 32 and K = 128 entries of TABLE."""
+    seeds, ninth session). On in the K = 32 and K = 128 entries of TABLE.
+    local_sub_states: the forward saves every sub-chunk's start state (as with bwd_split) and
+    ``_bwd_local`` loads them in its reverse sweep instead of re-running the forward sweep
+    through a scratch area. 8× the saved state memory at BT = 128 (README, "Split backward").
+    The large-head path, which has no _bwd_local, ignores it (as it ignores bwd_split). Off in
+    TABLE: built in the twelfth session, not yet timed on a GPU."""
 
     BT: int = 64
     BC: int = 16
@@ -135,6 +140,7 @@ class Config:
     lh_bwd_dqk: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)  # block: the key columns per program (BK)
     lh_bwd_finish: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)
     lh_split: bool = False
+    local_sub_states: bool = False
 
     def __post_init__(self):
         # the large-head kernels hold BT × BT tiles (T, P, their gradients) in registers
@@ -143,6 +149,9 @@ class Config:
                              "set BT (and BT_FEW in a TABLE entry) to 64")
         if self.lh_split and self.bwd_split:
             raise ValueError("lh_split and bwd_split both replace _bwd_local: turn one of them off")
+        if self.local_sub_states and (self.bwd_split or self.lh_split) and not self.large_head:
+            raise ValueError("local_sub_states changes _bwd_local, which bwd_split and lh_split replace: "
+                             "turn one of them off")
 
     def tile(self, kernel: str) -> int:
         """The column tile that `kernel` runs with (0 for the inverse kernel, which has none)."""
@@ -164,8 +173,9 @@ class Config:
 
     @property
     def slots(self) -> int:
-        """Saved states per chunk: one per sub-chunk on the split path, else one."""
-        return self.BT // self.BC if self.bwd_split and not self.large_head else 1
+        """Saved states per chunk: one per sub-chunk on the split path and with
+        local_sub_states, else one."""
+        return self.BT // self.BC if (self.bwd_split or self.local_sub_states) and not self.large_head else 1
 
     @property
     def t_width(self) -> int:
@@ -253,6 +263,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
                   dot_bf16=bool(entry.get("dot_bf16", False)), large_head=bool(entry.get("large_head", False)),
                   lh_wu=bool(entry.get("lh_wu", False)), lh_split=bool(entry.get("lh_split", False)),
                   t_bf16=bool(entry.get("t_bf16", False)),
+                  local_sub_states=bool(entry.get("local_sub_states", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
@@ -448,19 +459,21 @@ def run_fwd_prep(p: Problem, tinv: torch.Tensor) -> torch.Tensor:
 
 def run_state_pass(p: Problem, ab: torch.Tensor, x0: torch.Tensor | None, reverse: bool):
     """The sequential pass over chunks: (per-chunk states [NC·slots, H, K, V], last state
-    [N, H, K, V]); with cfg.slots > 1 (split backward) it fills the first slot of each chunk."""
+    [N, H, K, V]); with slots > 1 (the forward's sub-chunk states, the split backward's
+    sub-chunk gradients) it fills the first slot of each chunk."""
     BV = p.cfg.tile("state_pass")
-    states = torch.empty(p.NC * p.cfg.slots, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    slots = p.cfg.slots if not reverse or p.cfg.bwd_split else 1
+    states = torch.empty(p.NC * slots, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     xT = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     _kern._state_pass_kernel[(p.N, p.H, _cdiv(p.V, BV))](
         ab, states, x0 if x0 is not None else xT, xT, p.offs, p.T, H=p.H, K=p.K, V=p.V, BT=p.cfg.BT, BV=BV,
         REVERSE=reverse, HAS_X0=x0 is not None, IS_VARLEN=p.cu_seqlens is not None, PREC=_prec(p.q.dtype),
-        SLOTS=p.cfg.slots, **_kw(p.cfg.state_pass))
+        SLOTS=slots, **_kw(p.cfg.state_pass))
     return states, xT
 
 
 def run_fwd_out(p: Problem, tinv: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-    """o; on the split path it also fills the other sub-chunk slots of `states` in place."""
+    """o; with slots > 1 it also fills the other sub-chunk slots of `states` in place."""
     BV = p.cfg.tile("fwd_out")
     o = torch.empty(p.B, p.T, p.H, p.V, dtype=p.v.dtype, device=p.q.device)
     save = dict(SAVE_SUB=True, NS=p.cfg.slots) if p.cfg.slots > 1 else {}
@@ -502,16 +515,20 @@ def _sum_parts(p: Problem, dq, dk, dv, dg, db):
 
 
 def run_bwd_local(p: Problem, tinv, do, states, dstates):
-    """(dq, dk, dv, dg, dβ) from each chunk's start state and end-state gradient."""
+    """(dq, dk, dv, dg, dβ) from each chunk's start state (or with local_sub_states every
+    sub-chunk's) and end-state gradient."""
     BV = p.cfg.tile("bwd_local")
     NV = _cdiv(p.V, BV)
     NS = p.cfg.BT // p.cfg.BC
     B, T, H, K = p.B, p.T, p.H, p.K
-    scratch = torch.empty(p.NC, H, NV, NS, K, BV, dtype=torch.float32, device=p.q.device)
+    sub = p.cfg.local_sub_states
+    # the forward sweep's per-program scratch of sub-chunk start states (none when they were saved)
+    scratch = states if sub else torch.empty(p.NC, H, NV, NS, K, BV, dtype=torch.float32, device=p.q.device)
     dq, dk, dv, dg, db = grads = _grad_buffers(p, NV)
     _kern._bwd_local_kernel[(p.NC, H, NV)](
         p.q, p.k, p.v, p.gbp, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, p.spans, p.T,
-        p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, **_geom(p), **_kw(p.cfg.bwd_local))
+        p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, SUB_STATES=sub, **_geom(p),
+        **_kw(p.cfg.bwd_local))
     return _sum_parts(p, *grads)
 
 

@@ -498,42 +498,52 @@ def _bwd_local_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     NS: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
+    SUB_STATES: tl.constexpr = False,
 ):
     """Gradients of one chunk (value columns i_v·BV …) from its start state S and the gradient
     dS of its end state. A forward sweep stores the sub-chunk start states (scratch), then a
     reverse sweep runs the adjoint recurrence and emits dq, dk, dv, dg, dβ. With several value
-    blocks, dq/dk/dg/dβ are partial sums (offsets part_qk / part_t per block)."""
+    blocks, dq/dk/dg/dβ are partial sums (offsets part_qk / part_t per block). SUB_STATES
+    (Config.local_sub_states): `states` holds every sub-chunk's start state ([NC·NS, H, K, V],
+    saved by the forward), which the reverse sweep loads; there is no forward sweep."""
     i_c, i_h, i_v, t0, eos, o_r, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BC, K, BV, V, IS_VARLEN)
     if t0 >= eos:
         return
     m_k = o_k < K
     p_s = ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
+    if SUB_STATES:
+        # sub-chunk s of chunk i_c is slot i_c·NS + s of the saved states
+        p_sub = states + (((i_c * NS) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    else:
+        S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
     dS = tl.load(dstates + p_s, mask=m_v[None, :], other=0.0)
-    # private scratch [NS, K, BV] of this program
-    p_scr = scratch + (((i_c * H + i_h) * NV + i_v) * NS * K + o_k[:, None]) * BV + tl.arange(0, BV)[None, :]
     n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
-
-    # forward sweep: start state of every sub-chunk (the first is S itself)
-    for s in range(n_sub - 1):
-        tl.store(p_scr + s * K * BV, S)
-        rows = t0 + s * BC + o_r
-        m_r = rows < eos
-        kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
-        vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
-        gam, gL, bb = _load_packed(_gb_slot(gbp, i_c, i_h, s, H, BT, BC), BC)
-        Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
-        W = _dot(Tm, kb * (bb * tl.exp(gam))[:, None], TPREC)
-        vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
-        Kt = kb * tl.exp(gL - gam)[:, None]
-        S = tl.exp(gL) * S + _dot(tl.trans(Kt), vn, PREC)
-    tl.store(p_scr + (n_sub - 1) * K * BV, S)
-    tl.debug_barrier()
+    if not SUB_STATES:
+        # private scratch [NS, K, BV] of this program
+        p_scr = scratch + (((i_c * H + i_h) * NV + i_v) * NS * K + o_k[:, None]) * BV + tl.arange(0, BV)[None, :]
+        # forward sweep: start state of every sub-chunk (the first is S itself)
+        for s in range(n_sub - 1):
+            tl.store(p_scr + s * K * BV, S)
+            rows = t0 + s * BC + o_r
+            m_r = rows < eos
+            kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+            vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
+            gam, gL, bb = _load_packed(_gb_slot(gbp, i_c, i_h, s, H, BT, BC), BC)
+            Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+            W = _dot(Tm, kb * (bb * tl.exp(gam))[:, None], TPREC)
+            vn = _dot(Tm, vb * bb[:, None], TPREC) - _dot(W, S, PREC)
+            Kt = kb * tl.exp(gL - gam)[:, None]
+            S = tl.exp(gL) * S + _dot(tl.trans(Kt), vn, PREC)
+        tl.store(p_scr + (n_sub - 1) * K * BV, S)
+        tl.debug_barrier()
 
     # reverse sweep
     for j in range(n_sub):
         s = n_sub - 1 - j
-        S = tl.load(p_scr + s * K * BV)
+        if SUB_STATES:
+            S = tl.load(p_sub + s * (H * K * V), mask=m_v[None, :], other=0.0)
+        else:
+            S = tl.load(p_scr + s * K * BV)
         rows = t0 + s * BC + o_r
         m_r = rows < eos
         dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db, rows,

@@ -5,7 +5,8 @@ sets TRITON_INTERPRET=1), in fp32 on tiny shapes: the interpreter gets bf16 wron
 checked by the `gpu` tests only. Every output and every gradient (q, k, v, g, beta,
 initial_state) is compared with its own hard tolerance, outputs poisoned with NaN first.
 The parity tests run both backward paths (`bwd_path`: _bwd_local, or the split
-_bwd_dstate + _bwd_sub of Config.bwd_split).
+_bwd_dstate + _bwd_sub of Config.bwd_split), and _bwd_local on the sub-chunk states the
+forward saved (Config.local_sub_states).
 """
 
 from __future__ import annotations
@@ -95,14 +96,19 @@ def run_and_compare(x, *, cu_seqlens=None, l2norm=False, tol, output_final_state
     return errs
 
 
-@pytest.fixture(params=["local", "split"])
+BWD_PATHS = {"local": dict(bwd_split=False, local_sub_states=False),
+             "split": dict(bwd_split=True, local_sub_states=False),
+             "local_sub": dict(bwd_split=False, local_sub_states=True)}
+
+
+@pytest.fixture(params=list(BWD_PATHS))
 def bwd_path(request, monkeypatch):
-    """Runs a test with each backward path: every TABLE entry gets bwd_split set (a test that
-    sets chunk.TUNING itself applies the returned flag to its Config)."""
-    split = request.param == "split"
+    """Runs a test with each backward path: every TABLE entry gets these Config fields (a test
+    that sets chunk.TUNING itself applies the returned fields to its Config)."""
+    fields = BWD_PATHS[request.param]
     for key, entry in list(gdn_chunk.TABLE.items()):
-        monkeypatch.setitem(gdn_chunk.TABLE, key, dict(entry, bwd_split=split))
-    return split
+        monkeypatch.setitem(gdn_chunk.TABLE, key, dict(entry, **fields))
+    return fields
 
 
 @pytest.mark.parametrize(
@@ -176,7 +182,7 @@ def test_without_state_arguments(bwd_path):
          "large-head-BT32", "large-head-wu"],
 )
 def test_tilings(cfg, tuning, bwd_path):
-    tuning[(32, 32)] = dataclasses.replace(cfg, bwd_split=bwd_path)
+    tuning[(32, 32)] = dataclasses.replace(cfg, **bwd_path)
     cu = torch.tensor([0, 61, 130], dtype=torch.int32, device=DEVICE)
     x = make_inputs(1, 130, 1, 32, 32, n_states=2, dtype=torch.float32)
     run_and_compare(x, cu_seqlens=cu, tol=TOL[torch.float32])
@@ -218,6 +224,17 @@ def test_lh_split_config_checks():
         Config(BT=64, lh_split=True, bwd_split=True)
     assert Config(BT=64, lh_split=True).kernels()[-4:] == ("lh_inverse",) + gdn_chunk.KERNELS_LH_GRADS
     assert Config(BT=64, large_head=True, lh_split=True).kernels()[-3:] == gdn_chunk.KERNELS_LH_GRADS
+
+
+def test_local_sub_states_config():
+    """local_sub_states saves a state per sub-chunk for _bwd_local, excludes the paths that
+    replace _bwd_local, and means nothing on the large-head path (no _bwd_local there)."""
+    assert Config(BT=128, BC=16, local_sub_states=True).slots == 8
+    assert Config(BT=128, BC=16).slots == 1
+    assert Config(BT=64, BC=16, local_sub_states=True, large_head=True).slots == 1
+    for other in (dict(bwd_split=True), dict(lh_split=True, BT=64)):
+        with pytest.raises(ValueError, match="local_sub_states changes _bwd_local"):
+            Config(local_sub_states=True, **other)
 
 
 @pytest.mark.parametrize("B, T, H, K, V, h0, l2norm", [
@@ -647,13 +664,14 @@ def test_saved_t_dtype(dtype, t_bf16, large_head, want, tuning):
     assert tinv.dtype == want
 
 
-def test_config_change_between_forward_and_backward_raises(tuning):
+@pytest.mark.parametrize("field", ["bwd_split", "local_sub_states"])
+def test_config_change_between_forward_and_backward_raises(field, tuning):
     x = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
     t = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
     cfg = gdn_chunk.get_config(16, 16, 1)
-    tuning[(16, 16)] = dataclasses.replace(cfg, bwd_split=True)
+    tuning[(16, 16)] = dataclasses.replace(cfg, **{field: True})
     o, _ = chunk_gated_delta_rule(*t)
-    tuning[(16, 16)] = dataclasses.replace(cfg, bwd_split=False)
+    tuning[(16, 16)] = dataclasses.replace(cfg, **{field: False})
     with pytest.raises(RuntimeError, match="do not match the launch config"):
         o.sum().backward()
 
