@@ -494,7 +494,7 @@ class Case:
         self.mr = torch.zeros(p.NC, H, K, K + V, **z)
         self.states = torch.zeros(p.NC, H, K, V, **z)
         self.dstates = torch.zeros(p.NC, H, K, V, **z)
-        # split backward: one state / end-state gradient per sub-chunk
+        # split backward and local_sub_states: one state (split: and end-state gradient) per sub-chunk
         self.sub_states = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
         self.dsub = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
         # large-head path with Config.lh_wu: W and U
@@ -511,9 +511,10 @@ class Case:
             "fwd_prep": lambda: c.run_fwd_prep(p, self.tinv),
             "state_pass": lambda: (c.run_state_pass(p, self.mn, None, False),
                                    c.run_state_pass(p, self.mr, None, True)),
-            "fwd_out": lambda: c.run_fwd_out(p, self.tinv, self.sub_states if cfg.bwd_split else self.states),
+            "fwd_out": lambda: c.run_fwd_out(p, self.tinv, self.sub_states if cfg.slots > 1 else self.states),
             "bwd_prep": lambda: c.run_bwd_prep(p, self.tinv, self.do),
-            "bwd_local": lambda: c.run_bwd_local(p, self.tinv, self.do, self.states, self.dstates),
+            "bwd_local": lambda: c.run_bwd_local(p, self.tinv, self.do, self.sub_states if cfg.slots > 1 else self.states,
+                                                 self.dstates),
             "bwd_dstate": lambda: c.run_bwd_dstate(p, self.tinv, self.do, self.dsub),
             "bwd_sub": lambda: c.run_bwd_sub(p, self.tinv, self.do, self.sub_states, self.dsub),
             "lh_inverse": lambda: c.run_lh_inverse(p),

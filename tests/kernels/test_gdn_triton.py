@@ -395,6 +395,25 @@ def test_tune_variants_full_grid():
     assert b == [] and {v.num_stages for v in a[1:]} == {1}
 
 
+@pytest.mark.parametrize("field", ["local_sub_states", "bwd_split"])
+def test_bench_case_hands_over_sub_chunk_states(field, monkeypatch):
+    """The tuner's per-kernel Case gives _fwd_out and _bwd_local the per-sub-chunk states buffer
+    when the config saves one state per sub-chunk (a per-chunk buffer would be read past its end)."""
+    seen = {}
+    monkeypatch.setattr(gdn_chunk, "run_fwd_out", lambda p, tinv, states: seen.setdefault("fwd_out", states.shape[0]))
+    monkeypatch.setattr(gdn_chunk, "run_bwd_local",
+                        lambda p, tinv, do, states, dstates: seen.setdefault("bwd_local", states.shape[0]))
+    monkeypatch.setattr(bench, "DEVICE", DEVICE)
+    cfg = dataclasses.replace(gdn_chunk.get_config(16, 16, 1), **{field: True})
+    case = bench.Case((1, 64, 1, 16, 16), torch.float32, cfg)
+    case.fn("fwd_out", cfg)()
+    case.fn("bwd_local", cfg)()
+    assert cfg.slots == cfg.BT // cfg.BC > 1
+    assert seen["fwd_out"] == case.p.NC * cfg.slots
+    if cfg.local_sub_states:  # (on the split path _bwd_local reads one state per chunk, whichever buffer)
+        assert seen["bwd_local"] == case.p.NC * cfg.slots
+
+
 @pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
 def test_bench_tune_smoke(tmp_path, capsys):
     """bench.py --tune's code path (Case, per-kernel launches, parity, TABLE entry, JSON) on a
