@@ -179,12 +179,23 @@ class variant:
 # the split gradient stage's kernels (and the inverse it needs) at 4 warps, 32-column key blocks
 _LH_WIDE = dict(lh_inverse=KernelCfg(4, 1), lh_bwd_dv=KernelCfg(4, 1), lh_bwd_dqk=KernelCfg(4, 1, 32),
                 lh_bwd_finish=KernelCfg(4, 1))
+BWD_PATHS = gdn_chunk.BWD_PATHS
+
+
+def bwd_path(cfg) -> str:
+    return "split" if cfg.bwd_split else "local_sub" if cfg.local_sub_states else "local"
+
+
+def other_paths(cfg) -> list:
+    """cfg with each of the other two backward paths (the default path's configs only)."""
+    return [dataclasses.replace(cfg, **f) for n, f in BWD_PATHS.items() if n != bwd_path(cfg)]
+
+
 VARIANTS = {
     "default": {},
-    "local": dict(bwd_split=False),
-    "split": dict(bwd_split=True),
-    # _bwd_local on the sub-chunk states the forward saved, no forward sweep (twelfth session)
-    "local_sub": dict(bwd_split=False, local_sub_states=True),
+    # the backward paths (local_sub: _bwd_local on the sub-chunk states the forward saved, no
+    # forward sweep; built in the twelfth session, in the table since the thirteenth)
+    **BWD_PATHS,
     "bf16dots": dict(dot_bf16=True),
     "tf32dots": dict(dot_bf16=False),
     "inv_tf32x3": dict(inverse_prec="tf32x3"),
@@ -204,13 +215,13 @@ VARIANTS = {
     # launch check: at K = 32 it passed fault_probe and was timed with the check lifted; at
     # K = 128 its 4-warp kernels fault
     "lh_split": dict(large_head=True, BT=64, lh_split=True),
-    "tab_lh": dict(BT=64, lh_split=True),
-    "tab_lh_w4": dict(BT=64, lh_split=True, **_LH_WIDE),
+    "tab_lh": dict(BT=64, lh_split=True, local_sub_states=False),
+    "tab_lh_w4": dict(BT=64, lh_split=True, local_sub_states=False, **_LH_WIDE),
     # without the large-head kernels' default register cap (every kernel at the compiler's
     # choice): Triton 3.6's ptxas then gives some 2-warp large-head kernels 32 registers and
     # kilobytes of spills (tenth session; the runs there named the capped ones *_r255)
     "lh_split_nocap": dict(large_head=True, BT=64, lh_split=True, maxnreg=0),
-    "tab_lh_nocap": dict(BT=64, lh_split=True, maxnreg=0),
+    "tab_lh_nocap": dict(BT=64, lh_split=True, local_sub_states=False, maxnreg=0),
     "large_head_nocap": dict(large_head=True, BT=64, maxnreg=0),
     # K = 32 shapes only (it sets K = 32 launches): the backward launches of the table before the
     # sixth session adopted the fifth session's retune
@@ -218,6 +229,8 @@ VARIANTS = {
                          bwd_sub=KernelCfg(2, 1, 32)),
     # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; 4-6 % faster, eighth
     # session; in the K = 32 and K = 128 entries since the ninth), or in tf32 (the table before)
+    # the saved start states in bf16 (Config.states_bf16; thirteenth session)
+    "states_bf16": dict(states_bf16=True),
     "tbf16": dict(t_bf16=True),
     "ttf32": dict(t_bf16=False),
     # a register cap (KernelCfg.maxnreg) on every kernel the config launches: fewer registers per
@@ -492,10 +505,11 @@ class Case:
             p.gbp.zero_()  # the γβ pack, as _wy_inverse / _bwd_prep would leave it
         self.mn = torch.zeros(p.NC, H, K, K + V, **z)
         self.mr = torch.zeros(p.NC, H, K, K + V, **z)
-        self.states = torch.zeros(p.NC, H, K, V, **z)
+        zs = dict(z, dtype=gdn_chunk.saved_states_dtype(cfg, dtype))
+        self.states = torch.zeros(p.NC, H, K, V, **zs)
         self.dstates = torch.zeros(p.NC, H, K, V, **z)
         # split backward and local_sub_states: one state (split: and end-state gradient) per sub-chunk
-        self.sub_states = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
+        self.sub_states = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **zs)
         self.dsub = torch.zeros(p.NC * (cfg.BT // cfg.BC), H, K, V, **z)
         # large-head path with Config.lh_wu: W and U
         self.wu = (torch.zeros(B, T, H, K, **z), torch.zeros(B, T, H, V, **z))
@@ -695,7 +709,8 @@ def table_entry(cfg, K, V, NH):
             tail = (tail or [0]) + [kc.maxnreg]
         ks.append(f"{n}=({', '.join(map(str, [kc.num_warps, kc.num_stages, *tail]))})")
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
-            f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, dot_bf16={cfg.dot_bf16}, t_bf16={cfg.t_bf16}, "
+            f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, local_sub_states={cfg.local_sub_states}, "
+            f"dot_bf16={cfg.dot_bf16}, t_bf16={cfg.t_bf16}, "
             f"inverse_prec={cfg.inverse_prec!r}, " + ", ".join(ks) + "),")
 
 
@@ -728,7 +743,7 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
     jobs += [(shape, torch.bfloat16, dataclasses.replace(base, BT=bt), k) for bt in bts for k in kernels]
     jobs += [(shape, d, base, "e2e") for d in dtypes]
     if not base.large_head:  # the other backward path, timed at the end
-        jobs += [(shape, torch.bfloat16, dataclasses.replace(base, bwd_split=not base.bwd_split), "e2e")]
+        jobs += [(shape, torch.bfloat16, other, "e2e") for other in other_paths(base)]
     if not pre.run(jobs, deadline, "defaults, all BT"):
         return False
 
@@ -750,9 +765,11 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
         per = {k: time_kernel(case, k, cfg) for k in kernels}
         # the BT choice counts the kernels of the default's backward path
         bt_ms[bt] = sum(per[k] for k in base.kernels())
-        path = "large-head" if base.large_head else f"{'split' if base.bwd_split else 'local'}"
-        if not base.large_head:
-            path += f" path; other path {sum(per[k] for k in dataclasses.replace(base, bwd_split=not base.bwd_split).kernels()):.3f}"
+        path = "large-head" if base.large_head else bwd_path(base)
+        if not base.large_head:  # the split path's kernels (local and local_sub launch the same ones)
+            split = BWD_PATHS["split"] if not base.bwd_split else BWD_PATHS["local"]
+            path += f" path; {bwd_path(dataclasses.replace(base, **split))} path " \
+                    f"{sum(per[k] for k in dataclasses.replace(base, **split).kernels()):.3f}"
         log(f"  BT={bt:3d}: sum {bt_ms[bt]:.3f} ms ({path})  " + " ".join(f"{k}={v:.3f}" for k, v in per.items()))
         del case
     best_bt = min(bt_ms, key=bt_ms.get)
@@ -830,12 +847,14 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
         f"fla {fla_ms:.3f} ms (notes, 2026-11-29; live fla below if timed) -> tuned {fla_ms / t_tuned:.2f}x fla"
         f"  (t = {deadline.elapsed():.0f}s)")
     # the tuned launches with the other backward path (parity: run the benchmark with --variants)
-    flipped = dataclasses.replace(tuned, bwd_split=not tuned.bwd_split)
-    if not tuned.large_head and deadline.left() > 20 and pre.run([(shape, torch.bfloat16, flipped, "e2e")], deadline, "other path e2e"):
-        with variant(shape, flipped):
-            t_flip = fwdbwd_ms(ours, shape)
-        rec["fwdbwd_ms"]["tuned_other_path"] = t_flip
-        log(f"  fwd+bwd bf16, tuned launches, {'split' if flipped.bwd_split else 'local'} backward: {t_flip:.3f} ms")
+    others = [] if tuned.large_head else other_paths(tuned)
+    if others and deadline.left() > 20 and pre.run([(shape, torch.bfloat16, o, "e2e") for o in others], deadline,
+                                                   "other paths e2e"):
+        for other in others:
+            with variant(shape, other):
+                t_other = fwdbwd_ms(ours, shape)
+            rec["fwdbwd_ms"][f"tuned_{bwd_path(other)}"] = t_other
+            log(f"  fwd+bwd bf16, tuned launches, {bwd_path(other)} backward: {t_other:.3f} ms")
     return True
 
 

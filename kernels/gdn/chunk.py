@@ -104,8 +104,13 @@ class Config:
     local_sub_states: the forward saves every sub-chunk's start state (as with bwd_split) and
     ``_bwd_local`` loads them in its reverse sweep instead of re-running the forward sweep
     through a scratch area. 8× the saved state memory at BT = 128 (README, "Split backward").
-    The large-head path, which has no _bwd_local, ignores it (as it ignores bwd_split). Off in
-    TABLE: built in the twelfth session, not yet timed on a GPU."""
+    The large-head path, which has no _bwd_local, ignores it (as it ignores bwd_split). On in
+    the K = 32 and K = 128 entries of TABLE since the thirteenth session (5-10 % less time on an H200).
+    states_bf16: with bf16 dots (dot_bf16, bf16 inputs), the saved start states (per chunk or per
+    sub-chunk) are stored in bf16: every dot that reads them rounds them to bf16 anyway; the
+    chunk recurrences inside the kernels stay fp32, and only ⟨dS', S⟩ (dγ_L) and the first
+    sub-chunk update of each chunk see the rounding. Half the bytes _fwd_out writes and the
+    backward reads. The final state stays fp32. The large-head path and lh_split ignore it."""
 
     BT: int = 64
     BC: int = 16
@@ -141,6 +146,7 @@ class Config:
     lh_bwd_finish: KernelCfg = KernelCfg(2, 1, 0, _LH_NREG)
     lh_split: bool = False
     local_sub_states: bool = False
+    states_bf16: bool = False
 
     def __post_init__(self):
         # the large-head kernels hold BT × BT tiles (T, P, their gradients) in registers
@@ -188,6 +194,12 @@ class Config:
 KERNELS_LOCAL = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_local")
 KERNELS_SPLIT = ("wy_inverse", "fwd_prep", "state_pass", "fwd_out", "bwd_prep", "bwd_dstate", "bwd_sub")
 KERNELS = KERNELS_LOCAL + ("bwd_dstate", "bwd_sub")
+# The default path's three backwards, as the Config fields that pick one (local: _bwd_local
+# re-runs each chunk's forward into a scratch; local_sub: _bwd_local on the saved sub-chunk
+# states; split: _bwd_dstate + _bwd_sub)
+BWD_PATHS = {"local": dict(bwd_split=False, local_sub_states=False),
+             "local_sub": dict(bwd_split=False, local_sub_states=True),
+             "split": dict(bwd_split=True, local_sub_states=False)}
 # the large-head path's (`bench.py --tune --large-head` tunes these instead of KERNELS)
 KERNELS_LARGE = ("lh_inverse", "lh_fwd_h", "lh_fwd_o", "lh_bwd_dh", "lh_bwd_grads")
 KERNELS_LH_GRADS = ("lh_bwd_dv", "lh_bwd_dqk", "lh_bwd_finish")  # with Config.lh_split
@@ -218,19 +230,23 @@ TABLE: dict[tuple[int, int], dict] = {
     # hymo_small runs with and without it end level (final loss mean over seeds 1-4 -0.001, over
     # those and seeds 42, 7 +0.014 with a per-seed spread of 0.03; ninth session, BENCHMARKS.md).
     # fwd_prep 3 stages (a full warps x stages grid after the γβ pack, twelfth session): the kernel
-    # 0.082 -> 0.067 ms, fwd+bwd 0.914 -> 0.897 ms at (4,4096,40,32,32)
+    # 0.082 -> 0.067 ms, fwd+bwd 0.914 -> 0.897 ms at (4,4096,40,32,32). local_sub_states (thirteenth
+    # session, same run): fwd+bwd 0.898 -> 0.854, 1.783 -> 1.702 (1,32768,40), 1.734 -> 1.647 (8,4096,40),
+    # for 256 B of saved state per token and head instead of 32 (+147 MB per layer at (4,4096,40))
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 3, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 3, 64), bwd_local=(2, 3, 32),
-                   bwd_split=False, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32),
+                   bwd_split=False, local_sub_states=True, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32),
                    bwd_sub=(1, 1, 32)),
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
     # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; t_bf16 5.59 -> 5.35 and 5.52 -> 5.38, eighth and ninth sessions;
     # BENCHMARKS.md); bwd_local (8, 3, 64) from the twelfth session's full grid: fwd+bwd 5.30 -> 5.05 ms
-    # (two value blocks: dq/dk/dg/dβ are fp32 partial sums, their sum included)
-    (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, dot_bf16=True,
+    # (two value blocks: dq/dk/dg/dβ are fp32 partial sums, their sum included); local_sub_states
+    # (thirteenth session): 5.047 -> 4.548 ms, for 4 KB of saved state per token and head (1.07 GB per layer)
+    (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, local_sub_states=True,
+                     dot_bf16=True,
                      t_bf16=True, inverse_prec="tf32x3",
                      wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 1, 128),
                      bwd_prep=(8, 3, 128), bwd_local=(8, 3, 64), bwd_dstate=(4, 3, 64), bwd_sub=(8, 1, 64)),
@@ -430,6 +446,14 @@ def saved_t_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if _tprec(cfg, dtype) == "bf16" and not cfg.large_head else torch.float32
 
 
+def saved_states_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the saved start states for inputs of this dtype: bf16 with Config.states_bf16 where
+    every dot on them rounds them to bf16 (bf16 dots, the default path); else fp32."""
+    bf16 = (cfg.states_bf16 and cfg.dot_bf16 and dtype == torch.bfloat16
+            and not (cfg.large_head or cfg.lh_split))
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def _geom(p: Problem) -> dict:
     # PREC: the dots on inputs, states and their gradients; TPREC: those with T
     prec = "bf16" if p.cfg.dot_bf16 and p.q.dtype == torch.bfloat16 else _prec(p.q.dtype)
@@ -463,7 +487,8 @@ def run_state_pass(p: Problem, ab: torch.Tensor, x0: torch.Tensor | None, revers
     sub-chunk gradients) it fills the first slot of each chunk."""
     BV = p.cfg.tile("state_pass")
     slots = p.cfg.slots if not reverse or p.cfg.bwd_split else 1
-    states = torch.empty(p.NC * slots, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
+    dtype = torch.float32 if reverse else saved_states_dtype(p.cfg, p.q.dtype)
+    states = torch.empty(p.NC * slots, p.H, p.K, p.V, dtype=dtype, device=p.q.device)
     xT = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.q.device)
     _kern._state_pass_kernel[(p.N, p.H, _cdiv(p.V, BV))](
         ab, states, x0 if x0 is not None else xT, xT, p.offs, p.T, H=p.H, K=p.K, V=p.V, BT=p.cfg.BT, BV=BV,
@@ -507,10 +532,22 @@ def _grad_buffers(p: Problem, NV: int):
     return dq, dk, dv, dg, db
 
 
+_SUM_BLOCK = 4096
+
+
+def _summed(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Σ over the leading (value block) dim of fp32 partial sums, in `dtype`, in one kernel."""
+    out = torch.empty(part.shape[1:], dtype=dtype, device=part.device)
+    N = out.numel()
+    _kern._sum_parts_kernel[(_cdiv(N, _SUM_BLOCK),)](part, out, N, NV=part.shape[0], BLOCK=_SUM_BLOCK,
+                                                       num_warps=4)
+    return out
+
+
 def _sum_parts(p: Problem, dq, dk, dv, dg, db):
     if dq.shape[0] > 1:
-        return (dq.sum(0).to(p.q.dtype), dk.sum(0).to(p.k.dtype), dv, dg.sum(0).to(p.g.dtype),
-                db.sum(0).to(p.beta.dtype))
+        return (_summed(dq, p.q.dtype), _summed(dk, p.k.dtype), dv, _summed(dg, p.g.dtype),
+                _summed(db, p.beta.dtype))
     return dq[0], dk[0], dv, dg[0], db[0]
 
 
@@ -684,7 +721,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht
               dot_bf16=None, t_bf16=None):
     p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16)
     if (states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.t_width
-            or tinv.dtype != saved_t_dtype(p.cfg, q.dtype)):
+            or tinv.dtype != saved_t_dtype(p.cfg, q.dtype) or states.dtype != saved_states_dtype(p.cfg, q.dtype)):
         raise RuntimeError(
             "gdn_chunk_bwd: the saved states do not match the launch config (chunk.TUNING or chunk.TABLE "
             "changed between the forward and the backward?)")
@@ -741,7 +778,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf1
     return (
         v.new_empty(B, T, H, V),
         q.new_empty(N, H, K, V, dtype=torch.float32),
-        q.new_empty(NC * cfg.slots, H, K, V, dtype=torch.float32),
+        q.new_empty(NC * cfg.slots, H, K, V, dtype=saved_states_dtype(cfg, q.dtype)),
         q.new_empty(B, T, H, cfg.t_width, dtype=saved_t_dtype(cfg, q.dtype)),
     )
 

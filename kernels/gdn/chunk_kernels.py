@@ -1,7 +1,8 @@
 """Triton kernels of the chunked Gated DeltaNet (forward and hand-written backward).
 
 Derivation, naming and measurements: README.md beside this file. Layout is fla's:
-q, k [B, T, H, K]; v, o [B, T, H, V]; g, beta [B, T, H]; states [*, H, K, V] in fp32.
+q, k [B, T, H, K]; v, o [B, T, H, V]; g, beta [B, T, H]; states [*, H, K, V] in fp32 (the saved
+forward states in bf16 with Config.states_bf16).
 
 What this replaces: fla's pipeline (about 5 forward and 8 backward kernels) materialises the
 inverted 64×64 block, w, u, v_new and every chunk state in HBM, pads K = V = 32 to 64-wide
@@ -175,6 +176,18 @@ def _l2norm_rows(x, NORM: tl.constexpr):
 
 
 @triton.jit
+def _sum_parts_kernel(part, out, N, NV: tl.constexpr, BLOCK: tl.constexpr):
+    """out = Σ_j part[j] in one pass: the value blocks' fp32 partial sums of a gradient, cast to
+    out's dtype (torch's sum over a leading dim of 2 then a cast took 0.39 ms at K = 128)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    acc = tl.load(part + offs, mask=m, other=0.0)
+    for j in tl.static_range(1, NV):
+        acc += tl.load(part + j * N + offs, mask=m, other=0.0)
+    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _wy_inverse_kernel(
     k, g, beta, tinv, gbp, chunk_spans, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr,
@@ -290,7 +303,7 @@ def _state_pass_kernel(
             c = c0 + j
         base = (c.to(tl.int64) * H + i_h) * K + o_k[:, None]
         p_st = ((c.to(tl.int64) * SLOTS * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-        tl.store(states + p_st, X, mask=m_v[None, :])
+        tl.store(states + p_st, X.to(states.dtype.element_ty), mask=m_v[None, :])
         Ac = tl.load(ab + base * (K + V) + o_k[None, :])
         Bc = tl.load(ab + base * (K + V) + K + o_v[None, :], mask=m_v[None, :], other=0.0)
         X = _dot(Ac, X, PREC) + Bc
@@ -316,17 +329,18 @@ def _fwd_out_kernel(
     if SAVE_SUB:
         p_s = (((i_c * NS) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         for s in range(n_sub, NS):  # the saved tensor is defined everywhere
-            tl.store(states + p_s + s * (H * K * V), tl.zeros([K, BV], dtype=tl.float32), mask=m_v[None, :])
+            tl.store(states + p_s + s * (H * K * V), tl.zeros([K, BV], dtype=states.dtype.element_ty),
+                     mask=m_v[None, :])
     else:
         p_s = ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
     if t0 >= eos:
         return
     incl = o_r[:, None] >= o_r[None, :]
-    S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
+    S = tl.load(states + p_s, mask=m_v[None, :], other=0.0).to(tl.float32)
     for s in range(n_sub):
         if SAVE_SUB:
             if s > 0:
-                tl.store(states + p_s + s * (H * K * V), S, mask=m_v[None, :])
+                tl.store(states + p_s + s * (H * K * V), S.to(states.dtype.element_ty), mask=m_v[None, :])
         rows = t0 + s * BC + o_r
         m_r = rows < eos
         kb, _ = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
@@ -515,7 +529,7 @@ def _bwd_local_kernel(
         # sub-chunk s of chunk i_c is slot i_c·NS + s of the saved states
         p_sub = states + (((i_c * NS) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
     else:
-        S = tl.load(states + p_s, mask=m_v[None, :], other=0.0)
+        S = tl.load(states + p_s, mask=m_v[None, :], other=0.0).to(tl.float32)
     dS = tl.load(dstates + p_s, mask=m_v[None, :], other=0.0)
     n_sub = tl.cdiv(tl.minimum(eos - t0, BT), BC)
     if not SUB_STATES:
@@ -541,7 +555,7 @@ def _bwd_local_kernel(
     for j in range(n_sub):
         s = n_sub - 1 - j
         if SUB_STATES:
-            S = tl.load(p_sub + s * (H * K * V), mask=m_v[None, :], other=0.0)
+            S = tl.load(p_sub + s * (H * K * V), mask=m_v[None, :], other=0.0).to(tl.float32)
         else:
             S = tl.load(p_scr + s * K * BV)
         rows = t0 + s * BC + o_r
@@ -607,7 +621,7 @@ def _bwd_sub_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_s = ((i_cs * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    S = tl.load(sub_states + p_s, mask=m_v[None, :], other=0.0)
+    S = tl.load(sub_states + p_s, mask=m_v[None, :], other=0.0).to(tl.float32)
     dS = tl.load(dsub + p_s, mask=m_v[None, :], other=0.0)
     rows = r0 + tl.arange(0, BC)
     _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, i_cs % NS, H, BT, BC), tinv, do, dq, dk, dv, dg, db, rows,

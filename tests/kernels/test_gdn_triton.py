@@ -96,9 +96,7 @@ def run_and_compare(x, *, cu_seqlens=None, l2norm=False, tol, output_final_state
     return errs
 
 
-BWD_PATHS = {"local": dict(bwd_split=False, local_sub_states=False),
-             "split": dict(bwd_split=True, local_sub_states=False),
-             "local_sub": dict(bwd_split=False, local_sub_states=True)}
+BWD_PATHS = gdn_chunk.BWD_PATHS
 
 
 @pytest.fixture(params=list(BWD_PATHS))
@@ -338,11 +336,15 @@ def test_launch_table(monkeypatch):
     # bf16 dot operands, T's dots too (ninth session); the inverse's products in three-pass tf32
     assert cfg.dot_bf16 and cfg.t_bf16 and cfg.inverse_prec == "tf32x3"
     assert gdn_chunk.get_config(128, 128, 64).t_bf16 and not gdn_chunk.get_config(64, 64).t_bf16
-    # the split backward is an alternative, off until the GPU has measured it
-    assert not cfg.bwd_split and cfg.slots == 1 and cfg.kernels() == gdn_chunk.KERNELS_LOCAL
+    # _bwd_local on the saved sub-chunk states (measured faster on an H200 in the thirteenth session);
+    # the split backward is an alternative (slower), the forward-sweep one too
+    assert cfg.local_sub_states and not cfg.bwd_split and cfg.slots == 8 and cfg.kernels() == gdn_chunk.KERNELS_LOCAL
+    assert gdn_chunk.get_config(128, 128, 64).local_sub_states
     assert cfg.tile("bwd_dstate") == 32 and cfg.tile("bwd_sub") == 32
-    split = dataclasses.replace(cfg, bwd_split=True)
+    split = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS["split"])
     assert split.slots == 8 and split.kernels() == gdn_chunk.KERNELS_SPLIT
+    local = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS["local"])
+    assert local.slots == 1 and local.kernels() == gdn_chunk.KERNELS_LOCAL
     assert set(gdn_chunk.KERNELS) == set(gdn_chunk.KERNELS_LOCAL) | set(gdn_chunk.KERNELS_SPLIT)
     assert gdn_chunk.get_config(32, 32, 40).BT == 256
     assert gdn_chunk.get_config(16, 16).BZ == 32  # derived tiles are clamped to the head dims
@@ -395,8 +397,8 @@ def test_tune_variants_full_grid():
     assert b == [] and {v.num_stages for v in a[1:]} == {1}
 
 
-@pytest.mark.parametrize("field", ["local_sub_states", "bwd_split"])
-def test_bench_case_hands_over_sub_chunk_states(field, monkeypatch):
+@pytest.mark.parametrize("path", ["local_sub", "split"])
+def test_bench_case_hands_over_sub_chunk_states(path, monkeypatch):
     """The tuner's per-kernel Case gives _fwd_out and _bwd_local the per-sub-chunk states buffer
     when the config saves one state per sub-chunk (a per-chunk buffer would be read past its end)."""
     seen = {}
@@ -404,7 +406,7 @@ def test_bench_case_hands_over_sub_chunk_states(field, monkeypatch):
     monkeypatch.setattr(gdn_chunk, "run_bwd_local",
                         lambda p, tinv, do, states, dstates: seen.setdefault("bwd_local", states.shape[0]))
     monkeypatch.setattr(bench, "DEVICE", DEVICE)
-    cfg = dataclasses.replace(gdn_chunk.get_config(16, 16, 1), **{field: True})
+    cfg = dataclasses.replace(gdn_chunk.get_config(16, 16, 1), **gdn_chunk.BWD_PATHS[path])
     case = bench.Case((1, 64, 1, 16, 16), torch.float32, cfg)
     case.fn("fwd_out", cfg)()
     case.fn("bwd_local", cfg)()
@@ -683,14 +685,46 @@ def test_saved_t_dtype(dtype, t_bf16, large_head, want, tuning):
     assert tinv.dtype == want
 
 
-@pytest.mark.parametrize("field", ["bwd_split", "local_sub_states"])
-def test_config_change_between_forward_and_backward_raises(field, tuning):
+@pytest.mark.parametrize("dtype, fields, want", [
+    (torch.bfloat16, dict(states_bf16=True), torch.bfloat16),
+    (torch.bfloat16, dict(states_bf16=True, dot_bf16=False), torch.float32),  # tf32 dots read fp32 states
+    (torch.float32, dict(states_bf16=True), torch.float32),
+    (torch.bfloat16, dict(states_bf16=True, large_head=True, BT=32), torch.float32),
+    (torch.bfloat16, dict(states_bf16=False), torch.float32),
+], ids=["bf16", "bf16-tf32-dots", "fp32", "bf16-large-head", "off"])
+@pytest.mark.parametrize("path", ["local", "local_sub", "split"])
+def test_saved_states_dtype(dtype, fields, want, path, tuning):
+    """Config.states_bf16 stores the saved start states in bf16 only where every dot on them rounds
+    them to bf16; the fake implementation agrees, and the backward refuses states of the other dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = dataclasses.replace(gdn_chunk.get_config(32, 32), **gdn_chunk.BWD_PATHS[path], **fields)
+    tuning[(32, 32)] = cfg
+    assert gdn_chunk.saved_states_dtype(cfg, dtype) == want
+    with FakeTensorMode():
+        q, k = (torch.empty(1, 64, 2, 32, dtype=dtype) for _ in range(2))
+        v = torch.empty(1, 64, 2, 32, dtype=dtype)
+        g, beta = torch.empty(1, 64, 2), torch.empty(1, 64, 2, dtype=dtype)
+        _, ht, states, _ = torch.ops.hymo_kernels.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.2, True)
+    assert states.dtype == want and ht.dtype == torch.float32
+    if want == torch.bfloat16:
+        x = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
+        p = gdn_chunk.make_problem(*(x[n] for n in ("q", "k", "v", "g", "beta")), None, 0.25, False, cfg)
+        wrong = torch.zeros(p.NC * cfg.slots, 1, 16, 16, dtype=torch.bfloat16)  # fp32 inputs save fp32 states
+        tinv = torch.zeros(1, 40, 1, cfg.t_width, dtype=gdn_chunk.saved_t_dtype(cfg, torch.float32))
+        with pytest.raises(RuntimeError, match="do not match the launch config"):
+            gdn_chunk._backward(*(x[n] for n in ("q", "k", "v", "g", "beta")), None, None, wrong, tinv,
+                                torch.zeros_like(x["v"]), None, 0.25, False)
+
+
+@pytest.mark.parametrize("path", ["split", "local_sub"])
+def test_config_change_between_forward_and_backward_raises(path, tuning):
     x = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
     t = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
     cfg = gdn_chunk.get_config(16, 16, 1)
-    tuning[(16, 16)] = dataclasses.replace(cfg, **{field: True})
+    tuning[(16, 16)] = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS[path])
     o, _ = chunk_gated_delta_rule(*t)
-    tuning[(16, 16)] = dataclasses.replace(cfg, **{field: False})
+    tuning[(16, 16)] = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS["local"])
     with pytest.raises(RuntimeError, match="do not match the launch config"):
         o.sum().backward()
 
@@ -792,6 +826,19 @@ def set_dot_bf16(monkeypatch, on: bool):
 def test_gpu_parity_dot_precision(B, T, H, K, V, varlen, dot_bf16, bwd_path, monkeypatch):
     """bf16 inputs with either dot precision of the table (the interpreter cannot run bf16)."""
     set_dot_bf16(monkeypatch, dot_bf16)
+    cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
+    x = make_inputs(B, T, H, K, V, n_states=4 if varlen else B, dtype=torch.bfloat16, device="cuda",
+                    normalize_k=False)
+    run_and_compare(x, cu_seqlens=cu, l2norm=True, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B, T, H, K, V, varlen", [(1, 1500, 3, 32, 32, True), (2, 257, 2, 128, 128, False)], ids=lambda p: str(p))
+def test_gpu_parity_states_bf16(B, T, H, K, V, varlen, bwd_path, tuning):
+    """bf16 inputs with the saved start states in bf16 (Config.states_bf16), every backward path."""
+    tuning[(K, V)] = dataclasses.replace(gdn_chunk.get_config(K, V, B * H), states_bf16=True, **bwd_path)
+    assert gdn_chunk.saved_states_dtype(tuning[(K, V)], torch.bfloat16) == torch.bfloat16
     cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
     x = make_inputs(B, T, H, K, V, n_states=4 if varlen else B, dtype=torch.bfloat16, device="cuda",
                     normalize_k=False)
