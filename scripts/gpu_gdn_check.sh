@@ -10,9 +10,10 @@
 # before the tenth session took 5.7-7 minutes there (eighth session: 393 s for all 27; 26 in 400 s,
 # then the Inductor test 30 s; ninth: 343 s), the eight of Config.lh_split added 191 s in the
 # tenth (the 14 large-head and lh_split tests: 322 s in the twelfth), and the twelfth's third
-# backward path (local_sub) added eight parity tests, so all 43 need at least two calls
-# (TESTS_K="gpu_large_head or gpu_lh_split" and TESTS_K="not gpu_large_head and not gpu_lh_split"),
-# and the benchmark's first fla call compiles for minutes.
+# backward path (local_sub) and the thirteenth's saved-states dtype added parity tests, so all 55
+# need at least two calls (TESTS_K="gpu_large_head or gpu_lh_split"; TESTS_K="not gpu_large_head and
+# not gpu_lh_split", the other 41: 260 s in the thirteenth), and the benchmark's first fla call
+# compiles for minutes (149 s for the first shape of the thirteenth session's run, with ours).
 # Environment: TESTS (default 1), TESTS_S (the tests' limit, default 540 s; a cut run says so in
 # gpu_tests.log), TESTS_K (a pytest -k expression selecting among them; default all), BENCH
 # (default 0), VARIANTS (bench.py --variants, default "default"; e.g.

@@ -96,6 +96,10 @@ def test_hymo_section_parses_and_validates(tmp_path):
     assert parse_config(args + ["--hymo.gdn_dot_precision", "bf16"]).hymo.gdn_dot_precision == "bf16"
     with pytest.raises(SystemExit):  # not one of its choices
         parse_config(args + ["--hymo.gdn_dot_precision", "fp8"])
+    assert parse_config(args).hymo.gdn_bwd_path == "table"
+    assert parse_config(args + ["--hymo.gdn_bwd_path", "local"]).hymo.gdn_bwd_path == "local"
+    with pytest.raises(SystemExit):
+        parse_config(args + ["--hymo.gdn_bwd_path", "fast"])
 
 
 def test_malformed_toml_names_the_file_and_position(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hymo_kernels.gdn import BACKENDS, GDN_DOT_PRECISIONS
+from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS
 
 from .._titan import BaseModelArgs, HuggingFaceTokenizer, JobConfig, logger
 
@@ -40,6 +40,9 @@ class HymoModelArgs(BaseModelArgs):
     # "tf32", "bf16" or "bf16_t" (hymo_kernels.gdn GDN_DOT_PRECISIONS; Config.dot_bf16 and
     # Config.t_bf16); the triton backend only
     gdn_dot_precision: str = "table"
+    # the Triton kernel's backward: "table" (its launch table's choice), "local" (saves the chunk
+    # start states only: the least memory), "local_sub" or "split" (hymo_kernels.gdn GDN_BWD_PATHS)
+    gdn_bwd_path: str = "table"
     gdn_A_init_range: tuple[float, float] = (0.0, 16.0)  # A ~ U(lo, hi), A_log = log A
     gdn_dt_min: float = 1e-3  # dt ~ logU(dt_min, dt_max), dt_bias = softplus⁻¹(dt)
     gdn_dt_max: float = 0.1
@@ -109,6 +112,11 @@ class HymoModelArgs(BaseModelArgs):
         if self.gdn_dot_precision != "table" and self.gdn_backend != "triton":
             raise ValueError(f"gdn_dot_precision = {self.gdn_dot_precision!r} sets the Triton kernel's dots; "
                              f"gdn_backend is {self.gdn_backend!r} (use \"table\", or gdn_backend = \"triton\")")
+        if self.gdn_bwd_path not in GDN_BWD_PATHS:
+            raise ValueError(f"unknown gdn_bwd_path {self.gdn_bwd_path!r}; choose one of {list(GDN_BWD_PATHS)}")
+        if self.gdn_bwd_path != "table" and self.gdn_backend != "triton":
+            raise ValueError(f"gdn_bwd_path = {self.gdn_bwd_path!r} picks the Triton kernel's backward; "
+                             f"gdn_backend is {self.gdn_backend!r} (use \"table\", or gdn_backend = \"triton\")")
         lo, hi = self.gdn_A_init_range
         if not 0 <= lo < hi:
             raise ValueError(f"gdn_A_init_range must satisfy 0 <= lo < hi, got {self.gdn_A_init_range}")
@@ -165,6 +173,8 @@ class HymoModelArgs(BaseModelArgs):
             self.gdn_backend = hymo.gdn_backend
         if hymo is not None and hymo.gdn_dot_precision != "table":
             self.gdn_dot_precision = hymo.gdn_dot_precision
+        if hymo is not None and hymo.gdn_bwd_path != "table":
+            self.gdn_bwd_path = hymo.gdn_bwd_path
 
         if job_config.parallelism.context_parallel_degree > 1:
             raise NotImplementedError("context parallelism is not supported: the GDN recurrence spans the sequence")

@@ -102,8 +102,10 @@ class GatedDeltaNet(nn.Module):
         self.backend = args.gdn_backend
         # Resolved now so that a backend that cannot load fails at construction, not mid-run.
         self._rule = get_backend(args.gdn_backend)
-        # the Triton kernel's dot operands; {} keeps its table's choice (and suits every backend)
+        # the Triton kernel's dot operands and backward; {} keeps its table's choices (and suits every backend)
         self._rule_kwargs = dict(GDN_DOT_PRECISIONS[args.gdn_dot_precision])
+        if args.gdn_bwd_path != "table":
+            self._rule_kwargs["bwd_path"] = args.gdn_bwd_path
         self.A_init_range = args.gdn_A_init_range
         self.dt_init = (args.gdn_dt_min, args.gdn_dt_max, args.gdn_dt_init_floor)
 

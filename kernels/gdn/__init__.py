@@ -33,6 +33,10 @@ GDN_DOT_PRECISIONS = {
     "bf16_t": {"dot_bf16": True, "t_bf16": True},
 }
 
+# gdn_bwd_path (model arg, [hymo] knob): "table" (the launch table's choice) or the Triton op's
+# bwd_path, chunk.BWD_PATHS (a test checks they agree; chunk.py imports Triton, this module must not)
+GDN_BWD_PATHS = ("table", "local", "local_sub", "split")
+
 
 def get_backend(name: str):
     """Returns the recurrence function of a backend, or raises a ValueError naming the choices."""
@@ -49,4 +53,4 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-__all__ = ["BACKENDS", "GDN_DOT_PRECISIONS", "gated_delta_rule", "get_backend", "naive_recurrent_gated_delta_rule"]
+__all__ = ["BACKENDS", "GDN_BWD_PATHS", "GDN_DOT_PRECISIONS", "gated_delta_rule", "get_backend", "naive_recurrent_gated_delta_rule"]

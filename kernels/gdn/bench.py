@@ -229,8 +229,9 @@ VARIANTS = {
                          bwd_sub=KernelCfg(2, 1, 32)),
     # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; 4-6 % faster, eighth
     # session; in the K = 32 and K = 128 entries since the ninth), or in tf32 (the table before)
-    # the saved start states in bf16 (Config.states_bf16; thirteenth session)
+    # the saved start states in bf16 or fp32 (Config.states_bf16; in the table since the thirteenth session)
     "states_bf16": dict(states_bf16=True),
+    "states_fp32": dict(states_bf16=False),
     "tbf16": dict(t_bf16=True),
     "ttf32": dict(t_bf16=False),
     # a register cap (KernelCfg.maxnreg) on every kernel the config launches: fewer registers per
@@ -710,6 +711,7 @@ def table_entry(cfg, K, V, NH):
         ks.append(f"{n}=({', '.join(map(str, [kc.num_warps, kc.num_stages, *tail]))})")
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
             f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, local_sub_states={cfg.local_sub_states}, "
+            f"states_bf16={cfg.states_bf16}, "
             f"dot_bf16={cfg.dot_bf16}, t_bf16={cfg.t_bf16}, "
             f"inverse_prec={cfg.inverse_prec!r}, " + ", ".join(ks) + "),")
 

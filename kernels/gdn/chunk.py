@@ -110,7 +110,9 @@ class Config:
     sub-chunk) are stored in bf16: every dot that reads them rounds them to bf16 anyway; the
     chunk recurrences inside the kernels stay fp32, and only ⟨dS', S⟩ (dγ_L) and the first
     sub-chunk update of each chunk see the rounding. Half the bytes _fwd_out writes and the
-    backward reads. The final state stays fp32. The large-head path and lh_split ignore it."""
+    backward reads. The final state stays fp32. The large-head path and lh_split ignore it. On in
+    the K = 32 and K = 128 entries of TABLE since the thirteenth session (5-10 % less time on an
+    H200, the same parity errors)."""
 
     BT: int = 64
     BC: int = 16
@@ -232,24 +234,28 @@ TABLE: dict[tuple[int, int], dict] = {
     # fwd_prep 3 stages (a full warps x stages grid after the γβ pack, twelfth session): the kernel
     # 0.082 -> 0.067 ms, fwd+bwd 0.914 -> 0.897 ms at (4,4096,40,32,32). local_sub_states (thirteenth
     # session, same run): fwd+bwd 0.898 -> 0.854, 1.783 -> 1.702 (1,32768,40), 1.734 -> 1.647 (8,4096,40),
-    # for 256 B of saved state per token and head instead of 32 (+147 MB per layer at (4,4096,40))
+    # for 256 B of saved state per token and head instead of 32 (+147 MB per layer at (4,4096,40)).
+    # states_bf16 (same session): GPU time 0.849 -> 0.804, 1.698 -> 1.599, 1.650 -> 1.553 ms, the
+    # saved states halved (128 B per token and head)
     (32, 32): dict(BT=128, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 3, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 3, 64), bwd_local=(2, 3, 32),
-                   bwd_split=False, local_sub_states=True, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32),
+                   bwd_split=False, local_sub_states=True, states_bf16=True, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32),
                    bwd_sub=(1, 1, 32)),
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
     # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; t_bf16 5.59 -> 5.35 and 5.52 -> 5.38, eighth and ninth sessions;
     # BENCHMARKS.md); bwd_local (8, 3, 64) from the twelfth session's full grid: fwd+bwd 5.30 -> 5.05 ms
-    # (two value blocks: dq/dk/dg/dβ are fp32 partial sums, their sum included); local_sub_states
-    # (thirteenth session): 5.047 -> 4.548 ms, for 4 KB of saved state per token and head (1.07 GB per layer)
+    # (two value blocks: dq/dk/dg/dβ are fp32 partial sums, their sum included); thirteenth session:
+    # local_sub_states 5.047 -> 4.548 ms (4 KB of saved state per token and head, 1.07 GB per layer),
+    # the partial sums in one kernel -> 4.27, fwd_out / bwd_prep / bwd_sub from `--tune --full-grid`
+    # on that table (4.30 -> 4.08 ms in the tuner), states_bf16 4.273 -> 3.831 ms GPU time (before the
+    # retune; the saved states halved)
     (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, local_sub_states=True,
-                     dot_bf16=True,
-                     t_bf16=True, inverse_prec="tf32x3",
-                     wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 1, 128),
-                     bwd_prep=(8, 3, 128), bwd_local=(8, 3, 64), bwd_dstate=(4, 3, 64), bwd_sub=(8, 1, 64)),
+                     states_bf16=True, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3",
+                     wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 3, 64),
+                     bwd_prep=(4, 3, 64), bwd_local=(8, 3, 64), bwd_dstate=(4, 3, 64), bwd_sub=(8, 2, 64)),
     (256, 256): _UNTUNED,
 }
 
@@ -280,6 +286,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
                   lh_wu=bool(entry.get("lh_wu", False)), lh_split=bool(entry.get("lh_split", False)),
                   t_bf16=bool(entry.get("t_bf16", False)),
                   local_sub_states=bool(entry.get("local_sub_states", False)),
+                  states_bf16=bool(entry.get("states_bf16", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
@@ -411,17 +418,22 @@ def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
             "Config.large_head off")
 
 
-def _overridden(cfg: Config, dot_bf16: bool | None, t_bf16: bool | None) -> Config:
-    """cfg with dot_bf16 and t_bf16 replaced where given (not None): the op's arguments."""
+def _overridden(cfg: Config, dot_bf16: bool | None, t_bf16: bool | None, bwd_path: str | None = None) -> Config:
+    """cfg with dot_bf16, t_bf16 and the backward path (BWD_PATHS) replaced where given (not
+    None): the op's arguments. The large-head path has its own backward and keeps it."""
     given = {n: x for n, x in (("dot_bf16", dot_bf16), ("t_bf16", t_bf16)) if x is not None}
+    if bwd_path is not None and bwd_path not in BWD_PATHS:
+        raise ValueError(f"unknown bwd_path {bwd_path!r}; choose one of {sorted(BWD_PATHS)} or None (the table's)")
+    if bwd_path is not None and not cfg.large_head:
+        given.update(BWD_PATHS[bwd_path], lh_split=False)
     return dataclasses.replace(cfg, **given) if given else cfg
 
 
 def make_problem(q, k, v, g, beta, cu_seqlens, scale, norm, cfg: Config | None = None,
-                 dot_bf16: bool | None = None, t_bf16: bool | None = None) -> Problem:
-    """dot_bf16 and t_bf16 (not None) override the config's choices (the op's arguments)."""
+                 dot_bf16: bool | None = None, t_bf16: bool | None = None, bwd_path: str | None = None) -> Problem:
+    """dot_bf16, t_bf16 and bwd_path (not None) override the config's choices (the op's arguments)."""
     B, T, H, K, V, N, cfg0, _ = _common(q, v, cu_seqlens)
-    cfg = _overridden(cfg or cfg0, dot_bf16, t_bf16)
+    cfg = _overridden(cfg or cfg0, dot_bf16, t_bf16, bwd_path)
     if (cfg.large_head or cfg.lh_split) and q.is_cuda:
         check_large_head_launch(cfg, torch.cuda.get_device_capability(q.device))
     NC = _num_chunks(B, T, N, cu_seqlens is not None, cfg.BT)
@@ -701,8 +713,10 @@ def run_lh_bwd_split(p: Problem, tinv, do, states, dstates, wu=None):
     return dq, dk, dv, dg, db
 
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None):
-    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16)
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None,
+             bwd_path=None):
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16,
+                     bwd_path=bwd_path)
     if p.cfg.large_head:
         tinv = run_lh_inverse(p)
         wu = run_lh_wu(p, tinv) if p.cfg.lh_wu else None
@@ -718,8 +732,9 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, 
 
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
-              dot_bf16=None, t_bf16=None):
-    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16)
+              dot_bf16=None, t_bf16=None, bwd_path=None):
+    p = make_problem(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, dot_bf16=dot_bf16, t_bf16=t_bf16,
+                     bwd_path=bwd_path)
     if (states.shape[0] != p.NC * p.cfg.slots or tinv.shape[-1] != p.cfg.t_width
             or tinv.dtype != saved_t_dtype(p.cfg, q.dtype) or states.dtype != saved_states_dtype(p.cfg, q.dtype)):
         raise RuntimeError(
@@ -762,19 +777,22 @@ def gdn_chunk_fwd(
     use_qk_l2norm: bool,
     dot_bf16: bool | None = None,
     t_bf16: bool | None = None,
+    bwd_path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (o, final_state, and for the backward: saved states, sub-chunk inverses). The
-    saved states are the chunk start states [NC, H, K, V], or with Config.bwd_split the start
-    state of every sub-chunk [NC·BT/BC, H, K, V] (same schema; the shape follows the config)."""
+    saved states are the chunk start states [NC, H, K, V], or with Config.bwd_split or
+    local_sub_states the start state of every sub-chunk [NC·BT/BC, H, K, V], in bf16 with
+    Config.states_bf16 (same schema; the shape and dtype follow the config)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    return _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16)
+    return _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16, bwd_path)
 
 
 @gdn_chunk_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16=None, t_bf16=None,
+      bwd_path=None):
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
-    cfg = _overridden(cfg, dot_bf16, t_bf16)
+    cfg = _overridden(cfg, dot_bf16, t_bf16, bwd_path)
     return (
         v.new_empty(B, T, H, V),
         q.new_empty(N, H, K, V, dtype=torch.float32),
@@ -800,18 +818,19 @@ def gdn_chunk_bwd(
     use_qk_l2norm: bool,
     dot_bf16: bool | None = None,
     t_bf16: bool | None = None,
+    bwd_path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dg, dbeta, dh0); dh0 is computed whether or not h0 was given."""
     # gradients of a .sum() arrive as stride-0 expands
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
     return _backward(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm,
-                     dot_bf16, t_bf16)
+                     dot_bf16, t_bf16, bwd_path)
 
 
 @gdn_chunk_bwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale, use_qk_l2norm, dot_bf16=None,
-      t_bf16=None):
+      t_bf16=None, bwd_path=None):
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
@@ -820,11 +839,11 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, scale,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16 = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16, bwd_path = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, output[2], output[3])
     ctx.scale = scale
     ctx.use_qk_l2norm = use_qk_l2norm
-    ctx.dot_bf16, ctx.t_bf16 = dot_bf16, t_bf16
+    ctx.dot_bf16, ctx.t_bf16, ctx.bwd_path = dot_bf16, t_bf16, bwd_path
     # no zero gradients for the outputs nobody differentiates (the saved states and T, often the
     # final state): autograd would fill them, ~60 MB per call at the HyMo shape
     ctx.set_materialize_grads(False)
@@ -837,8 +856,8 @@ def _input_grads(ctx, do, dht, bwd):
     dht = dht.contiguous() if dht is not None else None
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     dq, dk, dv, dg, db, dh0 = bwd(q, k, v, g, beta, initial_state, cu_seqlens, states, tinv, do, dht, ctx.scale,
-                                  ctx.use_qk_l2norm, ctx.dot_bf16, ctx.t_bf16)
-    return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None
+                                  ctx.use_qk_l2norm, ctx.dot_bf16, ctx.t_bf16, ctx.bwd_path)
+    return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None, None
 
 
 def _autograd_backward(ctx, do, dht, _dstates, _dtinv):
@@ -855,13 +874,14 @@ class _EagerGDN(torch.autograd.Function):
     custom ops (chunk_gated_delta_rule picks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16):
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, dot_bf16, t_bf16, bwd_path):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = initial_state.contiguous() if initial_state is not None else None
         o, final_state, states, tinv = _forward(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, dot_bf16,
-                                                t_bf16)
+                                                t_bf16, bwd_path)
         ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens, states, tinv)
-        ctx.scale, ctx.use_qk_l2norm, ctx.dot_bf16, ctx.t_bf16 = scale, use_qk_l2norm, dot_bf16, t_bf16
+        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+        ctx.dot_bf16, ctx.t_bf16, ctx.bwd_path = dot_bf16, t_bf16, bwd_path
         ctx.set_materialize_grads(False)
         return o, final_state
 
@@ -911,6 +931,7 @@ def chunk_gated_delta_rule(
     *,
     dot_bf16: bool | None = None,
     t_bf16: bool | None = None,
+    bwd_path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, chunked Triton kernels with a hand-written backward.
 
@@ -935,6 +956,14 @@ def chunk_gated_delta_rule(
         t_bf16: with dot_bf16 on, the dots with T = (I + A)⁻¹ on bf16 operands too
             (``Config.t_bf16``): True, False, or None for the launch table's choice.
             Default: None.
+        bwd_path: the backward (``BWD_PATHS``): "local_sub" saves every 16-token sub-chunk's
+            start state for it (K·V per 16 tokens and head, bf16 with bf16 dots: BT / 16 times
+            what "local" saves, 8x at K = 32; the table's choice at K = 32 and 128, 5-10 % faster
+            on an H200); "local" saves the chunk start states only and re-runs each chunk's
+            forward in the backward; "split" saves what "local_sub" saves, with a parallel
+            gradient kernel (slower).
+            None: the launch table's choice. The large-head path keeps its own.
+            Default: None.
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] fp32, or None.
@@ -953,7 +982,7 @@ def chunk_gated_delta_rule(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
     scale = K**-0.5 if scale is None else float(scale)
-    args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, dot_bf16, t_bf16)
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, dot_bf16, t_bf16, bwd_path)
     if torch.compiler.is_compiling():
         o, final_state, _, _ = gdn_chunk_fwd(*args)
     else:
@@ -962,7 +991,7 @@ def chunk_gated_delta_rule(
 
 
 __all__ = [
-    "KERNELS", "KERNELS_LOCAL", "KERNELS_SPLIT", "TABLE", "TUNING", "Config", "KernelCfg", "Problem",
+    "BWD_PATHS", "KERNELS", "KERNELS_LOCAL", "KERNELS_SPLIT", "TABLE", "TUNING", "Config", "KernelCfg", "Problem",
     "chunk_gated_delta_rule", "config_from_entry",
     "gdn_chunk_bwd", "gdn_chunk_fwd", "get_config", "make_problem",
 ]

@@ -340,6 +340,8 @@ def test_launch_table(monkeypatch):
     # the split backward is an alternative (slower), the forward-sweep one too
     assert cfg.local_sub_states and not cfg.bwd_split and cfg.slots == 8 and cfg.kernels() == gdn_chunk.KERNELS_LOCAL
     assert gdn_chunk.get_config(128, 128, 64).local_sub_states
+    # the saved states in bf16 (measured faster on an H200 in the thirteenth session, same parity)
+    assert cfg.states_bf16 and gdn_chunk.get_config(128, 128, 64).states_bf16
     assert cfg.tile("bwd_dstate") == 32 and cfg.tile("bwd_sub") == 32
     split = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS["split"])
     assert split.slots == 8 and split.kernels() == gdn_chunk.KERNELS_SPLIT
@@ -618,6 +620,55 @@ def test_precision_arguments_reach_every_launch(field, arg, table, via_custom_op
     assert n_fwd >= 3 and len(seen) > n_fwd and set(seen) == {expected}
 
 
+@pytest.mark.parametrize("arg", [None, "local", "local_sub", "split"])
+@pytest.mark.parametrize("via_custom_op", [False, True], ids=["eager", "custom-op"])
+def test_bwd_path_argument_reaches_every_launch(arg, via_custom_op, monkeypatch):
+    """chunk_gated_delta_rule(bwd_path=...) picks the backward (and what the forward saves for it)
+    in the forward and the backward, eager and through the custom ops; None keeps the table's."""
+    assert gdn_chunk.get_config(16, 16).local_sub_states  # the table's choice
+    seen, geom = [], gdn_chunk._geom
+
+    def spy(p):
+        seen.append((p.cfg.bwd_split, p.cfg.local_sub_states))
+        return geom(p)
+
+    launched = []
+    for name in ("run_bwd_local", "run_bwd_sub"):
+        real = getattr(gdn_chunk, name)
+        monkeypatch.setattr(gdn_chunk, name, lambda *a, _real=real, _name=name: launched.append(_name) or _real(*a))
+    monkeypatch.setattr(gdn_chunk, "_geom", spy)
+    if via_custom_op:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
+    t = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    with _OpNames() as ops:
+        o, _ = chunk_gated_delta_rule(*t, bwd_path=arg)
+    assert ("hymo_kernels.gdn_chunk_fwd.default" in ops.names) == via_custom_op
+    o.sum().backward()
+    fields = gdn_chunk.BWD_PATHS[arg or "local_sub"]
+    assert set(seen) == {(fields["bwd_split"], fields["local_sub_states"])}
+    assert launched == ["run_bwd_sub" if fields["bwd_split"] else "run_bwd_local"]
+    ref = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
+    r = [ref[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    o_ref, _ = naive_recurrent_gated_delta_rule(*r)
+    o_ref.sum().backward()
+    for a, b in zip(t, r):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_bwd_path_argument_rejects_unknown_values():
+    x = make_inputs(1, 4, 1, 16, 16, n_states=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="unknown bwd_path 'fast'"):
+        chunk_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta")), bwd_path="fast")
+
+
+def test_gdn_bwd_paths_match_the_kernel_table():
+    """hymo_kernels.gdn.GDN_BWD_PATHS (importable without Triton) lists the op's bwd_path values."""
+    from hymo_kernels.gdn import GDN_BWD_PATHS
+
+    assert set(GDN_BWD_PATHS) == {"table"} | set(gdn_chunk.BWD_PATHS)
+
+
 def test_dispatcher_uses_the_kernel():
     x = make_inputs(1, 20, 1, 16, 16, n_states=0, dtype=torch.float32)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
@@ -626,7 +677,8 @@ def test_dispatcher_uses_the_kernel():
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("precisions", [(), (True, True)], ids=["table", "precision-args"])
+@pytest.mark.parametrize("precisions", [(), (True, True), (None, None, "local")],
+                         ids=["table", "precision-args", "bwd-path-arg"])
 def test_opcheck(bwd_path, precisions):
     x = make_inputs(1, 19, 1, 16, 16, n_states=1, dtype=torch.float32)
     args = ([x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
@@ -835,10 +887,12 @@ def test_gpu_parity_dot_precision(B, T, H, K, V, varlen, dot_bf16, bwd_path, mon
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "B, T, H, K, V, varlen", [(1, 1500, 3, 32, 32, True), (2, 257, 2, 128, 128, False)], ids=lambda p: str(p))
-def test_gpu_parity_states_bf16(B, T, H, K, V, varlen, bwd_path, tuning):
-    """bf16 inputs with the saved start states in bf16 (Config.states_bf16), every backward path."""
-    tuning[(K, V)] = dataclasses.replace(gdn_chunk.get_config(K, V, B * H), states_bf16=True, **bwd_path)
-    assert gdn_chunk.saved_states_dtype(tuning[(K, V)], torch.bfloat16) == torch.bfloat16
+@pytest.mark.parametrize("states_bf16", [False, True], ids=["states-fp32", "states-bf16"])
+def test_gpu_parity_states_bf16(B, T, H, K, V, varlen, states_bf16, bwd_path, tuning):
+    """bf16 inputs with the saved start states in bf16 or fp32 (Config.states_bf16), every backward path."""
+    tuning[(K, V)] = dataclasses.replace(gdn_chunk.get_config(K, V, B * H), states_bf16=states_bf16, **bwd_path)
+    want = torch.bfloat16 if states_bf16 else torch.float32
+    assert gdn_chunk.saved_states_dtype(tuning[(K, V)], torch.bfloat16) == want
     cu = torch.tensor([0, 100, 101, 777, 1500], dtype=torch.int32, device="cuda") if varlen else None
     x = make_inputs(B, T, H, K, V, n_states=4 if varlen else B, dtype=torch.bfloat16, device="cuda",
                     normalize_k=False)

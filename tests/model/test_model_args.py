@@ -29,6 +29,8 @@ BAD = [
     (dict(gdn_backend="cuda_magic"), "unknown gdn_backend 'cuda_magic'"),
     (dict(gdn_backend="triton", gdn_dot_precision="fp8"), "unknown gdn_dot_precision 'fp8'"),
     (dict(gdn_backend="torch_chunk", gdn_dot_precision="bf16"), "sets the Triton kernel's dots; gdn_backend is"),
+    (dict(gdn_backend="triton", gdn_bwd_path="fast"), "unknown gdn_bwd_path 'fast'"),
+    (dict(gdn_backend="torch_chunk", gdn_bwd_path="local"), "picks the Triton kernel's backward; gdn_backend is"),
     (dict(gdn_A_init_range=(16.0, 1.0)), "gdn_A_init_range"),
     (dict(gdn_dt_min=0.2, gdn_dt_max=0.1), "gdn_dt_min <= gdn_dt_max"),
     (dict(n_layers=4, mla_layers=(4,)), r"mla_layers \(4,\) must lie in \[0, n_layers = 4\)"),
@@ -98,10 +100,10 @@ def test_update_from_config_without_tokenizer_keeps_vocab_and_rejects_cp(tmp_pat
 
 
 def _hymo(**knobs):
-    """A [hymo] section with the defaults ("flavor" backend, "table" precision) except knobs."""
+    """A [hymo] section with the defaults ("flavor" backend, "table" precision and backward) except knobs."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(**{"gdn_backend": "flavor", "gdn_dot_precision": "table", **knobs})
+    return SimpleNamespace(**{"gdn_backend": "flavor", "gdn_dot_precision": "table", "gdn_bwd_path": "table", **knobs})
 
 
 def test_update_from_config_applies_the_hymo_gdn_backend_knob(tmp_path):
@@ -118,18 +120,22 @@ def test_update_from_config_applies_the_hymo_gdn_backend_knob(tmp_path):
         args.update_from_config(jc)
 
 
-def test_update_from_config_applies_the_hymo_gdn_dot_precision_knob(tmp_path):
+@pytest.mark.parametrize("knob, value, refusal", [
+    ("gdn_dot_precision", "bf16", "sets the Triton kernel's dots"),
+    ("gdn_bwd_path", "local", "picks the Triton kernel's backward"),
+])
+def test_update_from_config_applies_the_hymo_kernel_knobs(tmp_path, knob, value, refusal):
     jc = _job_config(128, str(tmp_path / "missing"))
     args = dataclasses.replace(hymo_flavors["750m"])
     jc.hymo = _hymo()
     args.update_from_config(jc)
-    assert args.gdn_dot_precision == "table"
-    jc.hymo = _hymo(gdn_dot_precision="bf16")
+    assert getattr(args, knob) == "table"
+    jc.hymo = _hymo(**{knob: value})
     args.update_from_config(jc)
-    assert args.gdn_dot_precision == "bf16"
-    # a CPU backend with a kernel precision is refused before anything is built
-    jc.hymo = _hymo(gdn_backend="torch_chunk", gdn_dot_precision="bf16")
-    with pytest.raises(ValueError, match="sets the Triton kernel's dots"):
+    assert getattr(args, knob) == value
+    # a CPU backend with a kernel setting is refused before anything is built
+    jc.hymo = _hymo(gdn_backend="torch_chunk", **{knob: value})
+    with pytest.raises(ValueError, match=refusal):
         args.update_from_config(jc)
 
 
@@ -137,9 +143,10 @@ def test_hymo_knob_choices_match_the_kernel_tables():
     """The [hymo] knobs' choices are the kernel package's tables (plus "flavor" for the backend)."""
     import typing
 
-    from hymo_kernels.gdn import BACKENDS, GDN_DOT_PRECISIONS
+    from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS
     from hymo_recipes.job_config import Hymo
 
     hints = typing.get_type_hints(Hymo)
     assert set(typing.get_args(hints["gdn_dot_precision"])) == set(GDN_DOT_PRECISIONS)
+    assert set(typing.get_args(hints["gdn_bwd_path"])) == set(GDN_BWD_PATHS)
     assert set(typing.get_args(hints["gdn_backend"])) == set(BACKENDS) | {"flavor"}

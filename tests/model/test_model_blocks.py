@@ -68,12 +68,17 @@ def test_mla_moe_block_is_causal(tiny_args, use_rope, capacity_factor):
         assert block.moe.dropped_tokens.sum() > 0, "the capacity path was not exercised"
 
 
-@pytest.mark.parametrize("precision, kwargs", [("table", {}), ("bf16", {"dot_bf16": True, "t_bf16": False}),
-                                               ("bf16_t", {"dot_bf16": True, "t_bf16": True}),
-                                               ("tf32", {"dot_bf16": False})])
-def test_gdn_dot_precision_reaches_the_kernel_call(tiny_args, monkeypatch, precision, kwargs):
-    """gdn_dot_precision becomes the Triton op's dot_bf16 / t_bf16 arguments ("table": none passed)."""
-    layer = GatedDeltaNet(tiny_args(gdn_backend="triton", gdn_dot_precision=precision))
+@pytest.mark.parametrize("knob, value, kwargs", [
+    ("gdn_dot_precision", "table", {}), ("gdn_dot_precision", "bf16", {"dot_bf16": True, "t_bf16": False}),
+    ("gdn_dot_precision", "bf16_t", {"dot_bf16": True, "t_bf16": True}),
+    ("gdn_dot_precision", "tf32", {"dot_bf16": False}),
+    ("gdn_bwd_path", "table", {}), ("gdn_bwd_path", "local", {"bwd_path": "local"}),
+    ("gdn_bwd_path", "local_sub", {"bwd_path": "local_sub"}), ("gdn_bwd_path", "split", {"bwd_path": "split"}),
+])
+def test_gdn_kernel_knobs_reach_the_kernel_call(tiny_args, monkeypatch, knob, value, kwargs):
+    """gdn_dot_precision becomes the Triton op's dot_bf16 / t_bf16 arguments, gdn_bwd_path its
+    bwd_path ("table": none passed)."""
+    layer = GatedDeltaNet(tiny_args(gdn_backend="triton", **{knob: value}))
     layer.init_weights(0.02, 0.01)
     seen = []
 
