@@ -227,6 +227,11 @@ VARIANTS = {
     # sixth session adopted the fifth session's retune
     "pre_retune32": dict(bwd_prep=KernelCfg(1, 2, 64), bwd_local=KernelCfg(2, 2, 32), bwd_dstate=KernelCfg(1, 2, 32),
                          bwd_sub=KernelCfg(2, 1, 32)),
+    # K = 32 shapes only: what `--tune --full-grid` proposed at (4,4096,40,32,32) on the local_sub path
+    # (thirteenth session; kernel sums 0.874 -> 0.855 ms, its end-to-end check timed the host): not
+    # adopted until an A/B against the table shows it
+    "tune13_32": dict(BT=256, fwd_prep=KernelCfg(2, 3, 64), fwd_out=KernelCfg(2, 3, 32), bwd_dstate=KernelCfg(2, 3, 32),
+                      bwd_sub=KernelCfg(1, 2, 32)),
     # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; 4-6 % faster, eighth
     # session; in the K = 32 and K = 128 entries since the ninth), or in tf32 (the table before)
     # the saved start states in bf16 or fp32 (Config.states_bf16; in the table since the thirteenth session)
