@@ -759,6 +759,12 @@ def test_saved_states_dtype(dtype, fields, want, path, tuning):
         g, beta = torch.empty(1, 64, 2), torch.empty(1, 64, 2, dtype=dtype)
         _, ht, states, _ = torch.ops.hymo_kernels.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.2, True)
     assert states.dtype == want and ht.dtype == torch.float32
+    # the real launcher allocates the same (the interpreter's bf16 values are wrong, its dtypes are not)
+    x = make_inputs(1, 40, 1, 32, 32, n_states=0, dtype=dtype)
+    _, ht, states, _ = torch.ops.hymo_kernels.gdn_chunk_fwd(*(x[n] for n in ("q", "k", "v", "g", "beta")), None,
+                                                             None, 0.2, True)
+    assert states.dtype == want and ht.dtype == torch.float32
+    assert states.shape[0] == gdn_chunk._num_chunks(1, 40, 1, False, cfg.BT) * cfg.slots
     if want == torch.bfloat16:
         x = make_inputs(1, 40, 1, 16, 16, n_states=0, dtype=torch.float32)
         p = gdn_chunk.make_problem(*(x[n] for n in ("q", "k", "v", "g", "beta")), None, 0.25, False, cfg)
