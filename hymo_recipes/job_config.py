@@ -41,7 +41,7 @@ class Hymo:
     sub-chunk's start state for the backward (bf16 with bf16 dots: 128 B per token and head at
     K = V = 32, 84 MB per GDN layer for a 4 x 4096-token microbatch of 40 heads, where "local"
     saves 10.5 MB); "local" saves one state per 128-token chunk and re-runs each chunk's forward
-    in the backward, 5 % slower at HyMo's shape on an H200 (10 % at K = V = 128); "split" saves
+    in the backward, 5 % slower at HyMo's shape on an H200 (12 % at K = V = 128); "split" saves
     what "local_sub" does and is slower. Values other than "table" need gdn_backend "triton"."""
     nonfinite_probe: bool = False
     """Debugging: log, for each forward, the first module whose output is NaN/Inf while its

@@ -182,13 +182,9 @@ _LH_WIDE = dict(lh_inverse=KernelCfg(4, 1), lh_bwd_dv=KernelCfg(4, 1), lh_bwd_dq
 BWD_PATHS = gdn_chunk.BWD_PATHS
 
 
-def bwd_path(cfg) -> str:
-    return "split" if cfg.bwd_split else "local_sub" if cfg.local_sub_states else "local"
-
-
 def other_paths(cfg) -> list:
     """cfg with each of the other two backward paths (the default path's configs only)."""
-    return [dataclasses.replace(cfg, **f) for n, f in BWD_PATHS.items() if n != bwd_path(cfg)]
+    return [dataclasses.replace(cfg, **f) for n, f in BWD_PATHS.items() if n != cfg.bwd_path]
 
 
 VARIANTS = {
@@ -232,11 +228,11 @@ VARIANTS = {
     # adopted until an A/B against the table shows it
     "tune13_32": dict(BT=256, fwd_prep=KernelCfg(2, 3, 64), fwd_out=KernelCfg(2, 3, 32), bwd_dstate=KernelCfg(2, 3, 32),
                       bwd_sub=KernelCfg(1, 2, 32)),
-    # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; 4-6 % faster, eighth
-    # session; in the K = 32 and K = 128 entries since the ninth), or in tf32 (the table before)
     # the saved start states in bf16 or fp32 (Config.states_bf16; in the table since the thirteenth session)
     "states_bf16": dict(states_bf16=True),
     "states_fp32": dict(states_bf16=False),
+    # T = (I + A)⁻¹ and the Gram matrix of A on bf16 operands too (as fla's A; 4-6 % faster, eighth
+    # session; in the K = 32 and K = 128 entries since the ninth), or in tf32 (the table before)
     "tbf16": dict(t_bf16=True),
     "ttf32": dict(t_bf16=False),
     # a register cap (KernelCfg.maxnreg) on every kernel the config launches: fewer registers per
@@ -772,11 +768,10 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
         per = {k: time_kernel(case, k, cfg) for k in kernels}
         # the BT choice counts the kernels of the default's backward path
         bt_ms[bt] = sum(per[k] for k in base.kernels())
-        path = "large-head" if base.large_head else bwd_path(base)
-        if not base.large_head:  # the split path's kernels (local and local_sub launch the same ones)
-            split = BWD_PATHS["split"] if not base.bwd_split else BWD_PATHS["local"]
-            path += f" path; {bwd_path(dataclasses.replace(base, **split))} path " \
-                    f"{sum(per[k] for k in dataclasses.replace(base, **split).kernels()):.3f}"
+        path = "large-head" if base.large_head else base.bwd_path
+        if not base.large_head:  # the other kernel set (local and local_sub launch the same kernels)
+            alt = dataclasses.replace(base, **BWD_PATHS["local" if base.bwd_split else "split"])
+            path += f" path; {alt.bwd_path} path {sum(per[k] for k in alt.kernels()):.3f}"
         log(f"  BT={bt:3d}: sum {bt_ms[bt]:.3f} ms ({path})  " + " ".join(f"{k}={v:.3f}" for k, v in per.items()))
         del case
     best_bt = min(bt_ms, key=bt_ms.get)
@@ -860,8 +855,8 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
         for other in others:
             with variant(shape, other):
                 t_other = fwdbwd_ms(ours, shape)
-            rec["fwdbwd_ms"][f"tuned_{bwd_path(other)}"] = t_other
-            log(f"  fwd+bwd bf16, tuned launches, {bwd_path(other)} backward: {t_other:.3f} ms")
+            rec["fwdbwd_ms"][f"tuned_{other.bwd_path}"] = t_other
+            log(f"  fwd+bwd bf16, tuned launches, {other.bwd_path} backward: {t_other:.3f} ms")
     return True
 
 

@@ -180,6 +180,11 @@ class Config:
         return KERNELS_SPLIT if self.bwd_split else KERNELS_LOCAL
 
     @property
+    def bwd_path(self) -> str:
+        """The default path's backward, a BWD_PATHS key (the large-head path has its own)."""
+        return "split" if self.bwd_split else "local_sub" if self.local_sub_states else "local"
+
+    @property
     def slots(self) -> int:
         """Saved states per chunk: one per sub-chunk on the split path and with
         local_sub_states, else one."""

@@ -347,6 +347,8 @@ def test_launch_table(monkeypatch):
     assert split.slots == 8 and split.kernels() == gdn_chunk.KERNELS_SPLIT
     local = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS["local"])
     assert local.slots == 1 and local.kernels() == gdn_chunk.KERNELS_LOCAL
+    assert cfg.bwd_path == "local_sub"
+    assert all(dataclasses.replace(cfg, **f).bwd_path == n for n, f in gdn_chunk.BWD_PATHS.items())
     assert set(gdn_chunk.KERNELS) == set(gdn_chunk.KERNELS_LOCAL) | set(gdn_chunk.KERNELS_SPLIT)
     assert gdn_chunk.get_config(32, 32, 40).BT == 256
     assert gdn_chunk.get_config(16, 16).BZ == 32  # derived tiles are clamped to the head dims
