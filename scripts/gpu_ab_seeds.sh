@@ -7,7 +7,9 @@
 #   B_NAME=bf16_t B_ARGS="--hymo.gdn_dot_precision bf16_t" bash scripts/gpu_ab_seeds.sh --training.seq_len 2048
 #
 # Environment: A_ARGS, B_ARGS (extra run_train.sh arguments of each setting; either may be
-# empty), A_NAME, B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"),
+# empty), A_ENV, B_ENV (extra environment of each setting's runs, VAR=value words, e.g. a
+# PYTHONPATH that puts a patched launch table first; a PYTHONPATH given there replaces the one
+# scripts/gpu_env.sh sets, so name the site folder and the repository in it too), A_NAME, B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"),
 # CONFIG (default train_configs/hymo_small.toml), STEPS (default 200), RUN_TIMEOUT (seconds per
 # run, default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
 # logged, no checkpoints. On two GPUs A runs on GPU 0 and B on GPU 1, seed by seed side by side;
@@ -28,6 +30,11 @@ A_NAME=${A_NAME:-A}
 B_NAME=${B_NAME:-B}
 read -r -a A_EXTRA <<< "${A_ARGS:-}"
 read -r -a B_EXTRA <<< "${B_ARGS:-}"
+read -r -a A_ENVV <<< "${A_ENV:-}"
+read -r -a B_ENVV <<< "${B_ENV:-}"
+for word in ${A_ENVV[@]+"${A_ENVV[@]}"} ${B_ENVV[@]+"${B_ENVV[@]}"}; do
+    [[ "${word}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { echo "gpu_ab_seeds: A_ENV/B_ENV word '${word}' is not VAR=value" >&2; exit 2; }
+done
 if [ "${DRY:-0}" = 1 ]; then
     CONFIG=${CONFIG:-train_configs/debug_model.toml} STEPS=${STEPS:-4} SEEDS=${SEEDS:-1 2}
     EXTRA=(--validation.no-enable)
@@ -48,12 +55,12 @@ fi
 python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__)"
 
 status=0
-run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run folder
+run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run folder; RUN_ENV its environment
     local label=$1 gpu=$2 seed=$3; shift 3
     rm -rf "${RUN_DIR:?}/${label}"
     local start=$SECONDS
     set +e
-    CUDA_VISIBLE_DEVICES=${gpu} NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" timeout "${RUN_TIMEOUT}" ./run_train.sh \
+    env ${RUN_ENV[@]+"${RUN_ENV[@]}"} CUDA_VISIBLE_DEVICES=${gpu} NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" timeout "${RUN_TIMEOUT}" ./run_train.sh \
         --training.steps "${STEPS}" --metrics.log_freq 1 --debug.seed "${seed}" --checkpoint.no-enable \
         --job.dump_folder "${RUN_DIR}/${label}" ${EXTRA[@]+"${EXTRA[@]}"} "$@" > "${RESULTS}/${label}.log" 2>&1
     local rc=$?
@@ -74,18 +81,22 @@ labels=()
 for seed in ${SEEDS}; do
     a="${A_NAME}_s${seed}" b="${B_NAME}_s${seed}"
     if [ "${two_gpus}" = 1 ]; then
+        RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"})
         run "${a}" 0 "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pid=$!
+        RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"})
         run "${b}" 1 "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
         wait "${pid}" || status=$?
     else
+        RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"})
         run "${a}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" || status=$?
+        RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"})
         run "${b}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
     fi
     labels+=("${A_NAME}@${seed}=${RUN_DIR}/${a}" "${B_NAME}@${seed}=${RUN_DIR}/${b}")
 done
 
 echo "================ gpu_ab_seeds: ${CONFIG}, ${STEPS} steps, seeds ${SEEDS} ================"
-echo "${A_NAME}: ${A_ARGS:-(no extra arguments)}"
-echo "${B_NAME}: ${B_ARGS:-(no extra arguments)}"
+echo "${A_NAME}: ${A_ARGS:-(no extra arguments)}${A_ENV:+ | environment ${A_ENV}}"
+echo "${B_NAME}: ${B_ARGS:-(no extra arguments)}${B_ENV:+ | environment ${B_ENV}}"
 python3 scripts/optim_compare_table.py "${labels[@]}" | tee "${RESULTS}/table.txt" || status=1
 exit "${status}"

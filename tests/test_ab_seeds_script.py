@@ -13,8 +13,17 @@ def run_script(tmp_path, **env):
 
 
 def test_two_settings_one_seed_table(tmp_path):
+    # every Python process of a run records its AB_TAG (A_ENV / B_ENV), so the marker shows which
+    # setting's environment each run got
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "marker"
+    (site / "sitecustomize.py").write_text(
+        f"import os\nif 'AB_TAG' in os.environ:\n    open({str(marker)!r}, 'a').write(os.environ['AB_TAG'] + '\\n')\n")
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     res = run_script(tmp_path, STEPS="2", SEEDS="3", A_NAME="lr3", A_ARGS="--optimizer.lr 3e-4",
-                     B_NAME="lr1", B_ARGS="--optimizer.lr 1e-4")
+                     B_NAME="lr1", B_ARGS="--optimizer.lr 1e-4", A_ENV="AB_TAG=a", B_ENV="AB_TAG=b",
+                     PYTHONPATH=pythonpath)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1] for line in res.stdout.splitlines() if line.startswith(("lr3@3", "lr1@3"))}
     assert set(rows) == {"lr3@3", "lr1@3"}
@@ -25,10 +34,14 @@ def test_two_settings_one_seed_table(tmp_path):
     assert rows["lr3@3"] != rows["lr1@3"]
     assert (tmp_path / "out" / "table.txt").read_text().count("@3") == 2
     assert sorted(p.name for p in (tmp_path / "out").glob("*.log")) == ["lr1_s3.log", "lr3_s3.log"]
+    # A ran first (one device), then B; the table script runs with neither tag
+    tags = marker.read_text().split()
+    assert tags and tags == sorted(tags) and set(tags) == {"a", "b"}, tags
 
 
 def test_bad_labels_are_refused_before_any_run(tmp_path):
-    for env in (dict(A_NAME="a b"), dict(B_NAME="x@1"), dict(A_NAME="same", B_NAME="same")):
+    for env in (dict(A_NAME="a b"), dict(B_NAME="x@1"), dict(A_NAME="same", B_NAME="same"), dict(B_ENV="X=1 nope"),
+                dict(A_ENV="1X=2")):
         res = run_script(tmp_path, **env)
         assert res.returncode == 2 and "gpu_ab_seeds:" in res.stderr, env
     assert not (tmp_path / "runs").exists()
