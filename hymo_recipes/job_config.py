@@ -40,8 +40,9 @@ class Hymo:
     to the kernel's launch table ("local_sub" at HyMo's head dims). "local_sub" saves every 16-token
     sub-chunk's start state for the backward (bf16 with bf16 dots: 128 B per token and head at
     K = V = 32, 84 MB per GDN layer for a 4 x 4096-token microbatch of 40 heads, where "local"
-    saves 10.5 MB); "local" saves one state per 128-token chunk and re-runs each chunk's forward
-    in the backward, 5 % slower at HyMo's shape on an H200 (12 % at K = V = 128); "split" saves
+    saves 5.2 MB); "local" saves one state per 256-token chunk and re-runs each chunk's forward
+    in the backward, 5 % slower at HyMo's shape on an H200 (12 % at K = V = 128; both measured
+    with 128-token chunks); "split" saves
     what "local_sub" does and is slower. Values other than "table" need gdn_backend "triton"."""
     nonfinite_probe: bool = False
     """Debugging: log, for each forward, the first module whose output is NaN/Inf while its

@@ -228,6 +228,11 @@ VARIANTS = {
     # adopted until an A/B against the table shows it
     "tune13_32": dict(BT=256, fwd_prep=KernelCfg(2, 3, 64), fwd_out=KernelCfg(2, 3, 32), bwd_dstate=KernelCfg(2, 3, 32),
                       bwd_sub=KernelCfg(1, 2, 32)),
+    # K = 32 shapes only: its parts (fourteenth session: tune13_32 was 1.6 / 3.3 % faster at
+    # (4,4096,40) / (8,4096,40) and 4 % slower at (1,32768,40), whose 40 heads already run
+    # BT_FEW = 256, so its two-warp _fwd_out loses; the state pass halves at BT = 256)
+    "bt256": dict(BT=256),
+    "bt256_dstate": dict(BT=256, bwd_dstate=KernelCfg(2, 3, 32)),
     # the saved start states in bf16 or fp32 (Config.states_bf16; in the table since the thirteenth session)
     "states_bf16": dict(states_bf16=True),
     "states_fp32": dict(states_bf16=False),

@@ -296,18 +296,38 @@ def _state_pass_kernel(
     SLOTS > 1 (the split backward): states has one slot per sub-chunk, [NC·SLOTS, H, K, V],
     and the pass fills the first slot of each chunk; the other kernels fill the rest."""
     i_h, c0, c1, o_k, o_v, m_v, p_x, X = _pass_tile(x0, chunk_offsets, T, H, K, V, BT, BV, HAS_X0, IS_VARLEN)
+    step = -1 if REVERSE else 1
+    c = c1 - 1 if REVERSE else c0
+    # Triton's pipeliner prefetches only loads that feed a dot (A_c's), so B_c is loaded one
+    # chunk ahead by hand: otherwise every step waits for a global load. The chunk index is
+    # clamped into the sequence: the last step's prefetch reloads the last chunk
+    Bn = tl.zeros([K, BV], dtype=tl.float32)
+    if c1 > c0:  # an empty sequence has no chunk to read (T = 0 has none at all)
+        Bn = _pass_b(ab, c, c0, c1, i_h, o_k, o_v, m_v, H, K, V)
     for j in range(c1 - c0):
-        if REVERSE:
-            c = c1 - 1 - j
-        else:
-            c = c0 + j
-        base = (c.to(tl.int64) * H + i_h) * K + o_k[:, None]
+        base = _pass_row(c, i_h, H, K) + o_k[:, None]
         p_st = ((c.to(tl.int64) * SLOTS * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         tl.store(states + p_st, X.to(states.dtype.element_ty), mask=m_v[None, :])
         Ac = tl.load(ab + base * (K + V) + o_k[None, :])
-        Bc = tl.load(ab + base * (K + V) + K + o_v[None, :], mask=m_v[None, :], other=0.0)
+        Bc = Bn
+        c += step
+        Bn = _pass_b(ab, c, c0, c1, i_h, o_k, o_v, m_v, H, K, V)
         X = _dot(Ac, X, PREC) + Bc
     tl.store(xT + p_x, X, mask=m_v[None, :])
+
+
+@triton.jit
+def _pass_row(c, i_h, H: tl.constexpr, K: tl.constexpr):
+    """Row offset of chunk c's head i_h in a [NC, H, K, …] tensor (int64)."""
+    return (c.to(tl.int64) * H + i_h) * K
+
+
+@triton.jit
+def _pass_b(ab, c, c0, c1, i_h, o_k, o_v, m_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """B_c of chunk c clamped into [c0, c1) (c1 > c0): the state pass's prefetch."""
+    c = tl.maximum(tl.minimum(c, c1 - 1), c0)
+    return tl.load(ab + (_pass_row(c, i_h, H, K) + o_k[:, None]) * (K + V) + K + o_v[None, :],
+                   mask=m_v[None, :], other=0.0)
 
 
 @triton.jit

@@ -132,6 +132,19 @@ def test_chunk_varlen(bwd_path):
     run_and_compare(x, cu_seqlens=cu, tol=TOL[torch.float32])
 
 
+def test_zero_tokens_pass_the_state_through(bwd_path):
+    # T = 0: no chunk to read (the state pass's prefetch must not load one); h_T = h_0, dh_0 = dh_T
+    x = make_inputs(2, 0, 2, 32, 32, n_states=2, dtype=torch.float32)
+    h0 = x["h0"].clone().requires_grad_()
+    o, ht = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0,
+                                   output_final_state=True)
+    assert o.shape == (2, 0, 2, 32)
+    torch.testing.assert_close(ht, x["h0"], rtol=0, atol=0)
+    dht = torch.randn_like(ht)
+    ht.backward(dht)
+    torch.testing.assert_close(h0.grad, dht, rtol=0, atol=0)
+
+
 def test_chunk_varlen_equals_separate_documents():
     cu = torch.tensor([0, 20, 83], dtype=torch.int32, device=DEVICE)
     x = make_inputs(1, 83, 1, 32, 32, n_states=2, dtype=torch.float32)
@@ -328,9 +341,9 @@ def test_dot_precision_choice(dtype, dot_bf16, prec):
 
 
 def test_launch_table(monkeypatch):
-    # HyMo's class (K = V ≤ 32): the tuned table entry, 256-token chunks when N·H < 128
+    # HyMo's class (K = V ≤ 32): the tuned table entry, 256-token chunks (also when N·H < 128)
     cfg = gdn_chunk.get_config(32, 32, 160)
-    assert (cfg.BT, cfg.BC, cfg.BZ, cfg.BV, cfg.BV_PASS) == (128, 16, 64, 32, 16)
+    assert (cfg.BT, cfg.BC, cfg.BZ, cfg.BV, cfg.BV_PASS) == (256, 16, 64, 32, 16)
     assert cfg.wy_inverse == KernelCfg(1, 1) and cfg.bwd_local == KernelCfg(2, 3, 32)
     assert cfg.state_pass == KernelCfg(4, 3, 16)
     # bf16 dot operands, T's dots too (ninth session); the inverse's products in three-pass tf32
@@ -338,13 +351,13 @@ def test_launch_table(monkeypatch):
     assert gdn_chunk.get_config(128, 128, 64).t_bf16 and not gdn_chunk.get_config(64, 64).t_bf16
     # _bwd_local on the saved sub-chunk states (measured faster on an H200 in the thirteenth session);
     # the split backward is an alternative (slower), the forward-sweep one too
-    assert cfg.local_sub_states and not cfg.bwd_split and cfg.slots == 8 and cfg.kernels() == gdn_chunk.KERNELS_LOCAL
+    assert cfg.local_sub_states and not cfg.bwd_split and cfg.slots == 16 and cfg.kernels() == gdn_chunk.KERNELS_LOCAL
     assert gdn_chunk.get_config(128, 128, 64).local_sub_states
     # the saved states in bf16 (measured faster on an H200 in the thirteenth session, same parity)
     assert cfg.states_bf16 and gdn_chunk.get_config(128, 128, 64).states_bf16
     assert cfg.tile("bwd_dstate") == 32 and cfg.tile("bwd_sub") == 32
     split = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS["split"])
-    assert split.slots == 8 and split.kernels() == gdn_chunk.KERNELS_SPLIT
+    assert split.slots == 16 and split.kernels() == gdn_chunk.KERNELS_SPLIT
     local = dataclasses.replace(cfg, **gdn_chunk.BWD_PATHS["local"])
     assert local.slots == 1 and local.kernels() == gdn_chunk.KERNELS_LOCAL
     assert cfg.bwd_path == "local_sub"
