@@ -230,7 +230,8 @@ VARIANTS = {
                       bwd_sub=KernelCfg(1, 2, 32)),
     # K = 32 shapes only: its parts (fourteenth session: tune13_32 was 1.6 / 3.3 % faster at
     # (4,4096,40) / (8,4096,40) and 4 % slower at (1,32768,40), whose 40 heads already run
-    # BT_FEW = 256, so its two-warp _fwd_out loses; the state pass halves at BT = 256)
+    # BT_FEW = 256, so its two-warp _fwd_out loses; the state pass halves at BT = 256). BT = 256
+    # went into the table then, so bt256 is the table at K = 32 now; bt256_dstate was level with it
     "bt256": dict(BT=256),
     "bt256_dstate": dict(BT=256, bwd_dstate=KernelCfg(2, 3, 32)),
     # the saved start states in bf16 or fp32 (Config.states_bf16; in the table since the thirteenth session)
