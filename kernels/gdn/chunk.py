@@ -413,8 +413,9 @@ def check_large_head_launch(cfg: Config, capability: tuple[int, int]) -> None:
     warps; K = 128 with 32-column blocks at 4 warps, with 8 warps, and with lh_wu; seventh
     session, kernels/gdn/README.md). It is the class of miscompiled warpgroup (wgmma) code that
     fla avoids the same way on Hopper (its issues #640 and #984, the latter still with Triton
-    3.7.1: 2 warps, or no 8 warps). Two warps (the Config defaults) run no warpgroup MMAs and
-    passed parity there. A fault poisons the process's CUDA context, hence an error up front."""
+    3.7.1: 2 warps, or no 8 warps); ours fault the same way with Triton 3.7.1 (fourteenth
+    session). Two warps (the Config defaults) run no warpgroup MMAs and passed parity there. A
+    fault poisons the process's CUDA context, hence an error up front."""
     limit = large_head_warp_limit(capability)
     if not (cfg.large_head or cfg.lh_split) or limit is None:
         return

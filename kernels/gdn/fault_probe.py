@@ -2,6 +2,7 @@
 
     python -m hymo_kernels.gdn.fault_probe --shape 2,257,2,128,128 --launches warps=4,BV=64 warps=4,BV=32,lh_wu
     python -m hymo_kernels.gdn.fault_probe --shape 1,1500,3,32,32 --packed --dtypes bf16,fp32 --launches warps=2
+    python -m hymo_kernels.gdn.fault_probe --sanitizer memcheck --launches warps=4,BV=32   # where it faults
 
 Each launch set runs in its own process, because a kernel fault (an illegal memory access)
 poisons the process's CUDA context and every later call fails with it, and with
@@ -22,6 +23,14 @@ gradient stage split in three kernels) and ``default_path`` (the table's path wi
 ending in ``_lh_inverse`` and the ``lh_split`` kernels; its other kernels keep the Config
 defaults).
 Unset: the Config defaults.
+
+With ``--sanitizer TOOL`` each child runs under NVIDIA's ``compute-sanitizer --tool TOOL``
+(memcheck, racecheck, synccheck, initcheck) with PyTorch's caching allocator off, so that an
+access past a tensor's end is not hidden inside a pooled block. Triton keeps line info in its
+kernels, so a report names the kernel, the source line of the access, global or shared memory,
+and the address: where a fault comes from (kernels/gdn/README.md, large-head path), not only
+which launch made it. The first report lines go into the row (``sanitizer``) and the summary. Much slower;
+use small shapes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -44,6 +54,28 @@ from .chunk import Config, KernelCfg
 
 KERNELS = C.KERNELS_LARGE_ALL
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+SANITIZER_LINES = 12  # report lines kept per launch set
+
+
+def sanitizer_prefix(tool: str | None) -> list[str]:
+    """The command a child runs under (empty without a tool); raises if compute-sanitizer is
+    not on the PATH, since a probe asked to sanitize must not run without it."""
+    if tool is None:
+        return []
+    if tool not in SANITIZER_TOOLS:
+        raise ValueError(f"unknown sanitizer tool {tool!r}: pick from {SANITIZER_TOOLS}")
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        raise FileNotFoundError("--sanitizer needs NVIDIA's compute-sanitizer on the PATH (it ships with the CUDA "
+                                "toolkit, e.g. /usr/local/cuda/bin); run without --sanitizer to only probe")
+    return [exe, "--tool", tool, "--print-limit", str(SANITIZER_LINES), "--show-backtrace", "device"]
+
+
+def sanitizer_report(stdout: str) -> list[str]:
+    """compute-sanitizer's report lines ("========= ..."), banner left out, at most SANITIZER_LINES."""
+    lines = [s.removeprefix("=========").strip() for s in stdout.splitlines() if s.startswith("=========")]
+    return [s for s in lines if s and not s.startswith("COMPUTE-SANITIZER")][:SANITIZER_LINES]
 
 
 def parse_launches(spec: str) -> Config:
@@ -146,6 +178,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bf16", help="comma-separated: bf16, fp32")
     ap.add_argument("--launches", nargs="+", default=["warps=2"], help="launch sets (see the module doc)")
     ap.add_argument("--timeout-s", type=float, default=150.0, help="per launch set and dtype (compiling counts)")
+    ap.add_argument("--sanitizer", choices=SANITIZER_TOOLS, default=None,
+                    help="run each child under compute-sanitizer with this tool (see the module doc)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     shape = tuple(int(s) for s in args.shape.split(","))
@@ -162,17 +196,25 @@ def main(argv=None):
     if args.child:
         print(json.dumps(probe(shape, args.packed, args.launches[0], dtypes[0])), flush=True)
         return
+    try:
+        prefix = sanitizer_prefix(args.sanitizer)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    if prefix:  # pooled blocks would hide an access past a tensor's end from memcheck
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     rows = []
     for spec in args.launches:
         for dt in dtypes:
-            cmd = [sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--child", "--shape", args.shape,
-                   "--dtypes", dt, "--launches", spec] + (["--packed"] if args.packed else [])
+            cmd = prefix + [sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--child", "--shape", args.shape,
+                            "--dtypes", dt, "--launches", spec] + (["--packed"] if args.packed else [])
             try:
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
                 lines = [s for s in p.stdout.splitlines() if s.startswith("{")]
                 res = json.loads(lines[-1]) if lines else dict(
                     launches=spec, dtype=dt, ok=False, error=f"exit {p.returncode}: {p.stderr.strip()[-300:]}")
+                if prefix:
+                    res["sanitizer"] = sanitizer_report(p.stdout)
             except subprocess.TimeoutExpired:
                 res = dict(launches=spec, dtype=dt, ok=False, error=f"did not finish in {args.timeout_s:g} s")
             rows.append(res)
@@ -183,6 +225,8 @@ def main(argv=None):
         what = (f"max error {max(r['errors'].values()):.1e}" if r.get("errors")
                 else f"{r.get('where') or ''} {r.get('error', '')}".strip())
         print(f"{r['launches']:32s} {r['dtype']:5s} {'PASS' if r['ok'] else 'FAIL'}  {what[:150]}")
+        for line in r.get("sanitizer", [])[:4]:  # the first error: what, where (kernel, source line), address
+            print(f"    {args.sanitizer}: {line[:200]}")
 
 
 if __name__ == "__main__":

@@ -68,3 +68,43 @@ def test_cli_runs_each_launch_set_in_a_child_process(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--launches", "warps=x"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "bad launch-set item" in bad.stderr
+
+
+def test_cli_sanitizer_wraps_each_child_and_reports(tmp_path):
+    # a stand-in for NVIDIA's compute-sanitizer: records how it was called, prints a report, then
+    # runs the child it wraps (the real one is GPU-only)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f"echo \"$1 $2 caching=${{PYTORCH_NO_CUDA_MEMORY_CACHING:-}}\" >> {calls}\n"
+        "echo '========= COMPUTE-SANITIZER'\n"
+        "echo '========= Invalid __shared__ write of size 16 bytes'\n"
+        "echo '=========     at _lh_fwd_h_kernel+0x1a30 in large_head_kernels.py:183'\n"
+        "shift 6\n"
+        "exec \"$@\"\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, TRITON_INTERPRET="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    p = subprocess.run([sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--shape", "1,40,1,16,16",
+                        "--dtypes", "fp32", "--launches", "BV=16", "--sanitizer", "memcheck"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(s) for s in p.stdout.splitlines() if s.startswith("{")]
+    assert len(rows) == 1 and rows[0]["ok"], rows
+    assert rows[0]["sanitizer"] == ["Invalid __shared__ write of size 16 bytes",
+                                    "at _lh_fwd_h_kernel+0x1a30 in large_head_kernels.py:183"]
+    assert "    memcheck: Invalid __shared__ write of size 16 bytes" in p.stdout.splitlines()
+    # one child, under the tool asked for, with PyTorch's caching allocator off
+    assert calls.read_text().splitlines() == ["--tool memcheck caching=1"]
+
+    # asked to sanitize where there is no compute-sanitizer: refused before any child runs
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    calls.unlink()
+    bad = subprocess.run([sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--shape", "1,40,1,16,16",
+                          "--launches", "BV=16", "--sanitizer", "memcheck"],
+                         env=dict(env, PATH=str(empty)), capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "needs NVIDIA's compute-sanitizer" in bad.stderr
+    assert not calls.exists()
