@@ -246,6 +246,11 @@ VARIANTS = {
     "nreg168": dict(maxnreg=168),
     "nreg128": dict(maxnreg=128),
     "nreg96": dict(maxnreg=96),
+    # the cap on _wy_inverse alone (K = 32 launch (1, 1)): at 1 warp and 79 registers (sm_90, Triton
+    # 3.6) an SM holds 25 of its programs; 72 -> 28 (no spill), 64 -> 32, the block limit (16 B of
+    # stack). Untimed (fourteenth session, sm_90 code on the CPU machine only)
+    "wy_nreg72": dict(wy_inverse=KernelCfg(1, 1, 0, 72)),
+    "wy_nreg64": dict(wy_inverse=KernelCfg(1, 1, 0, 64)),
 }
 
 
