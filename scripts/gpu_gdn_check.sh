@@ -21,7 +21,8 @@
 # kernels that took minutes on an H200, so add --no-parity to BENCH_ARGS there), SHAPES (default:
 # the K = 128 issue shape, then HyMo's), BENCH_S (the benchmark's time limit, default 540 s; it
 # writes its JSON after every shape, so a cut run keeps what it measured), BENCH_ARGS (more
-# bench.py arguments, e.g. "--rounds 2").
+# bench.py arguments, e.g. "--rounds 2"; "--warm-procs 4" compiles every shape's kernels, fla's
+# too, in 4 processes before the timing run: not yet measured on the device).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

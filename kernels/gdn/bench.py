@@ -36,6 +36,13 @@ and times fwd+bwd with the default and the tuned config (fla: live at the
 end if the budget allows, else the numbers from the notes), within ``--budget-s``, writing the
 JSON after every shape.
 
+``--warm-procs N`` (GPU) first runs one fwd+bwd per shape and implementation (ours per variant in
+bf16 and fp32, with and without the state arguments, and fla in bf16) in N processes at once, so
+that Triton's on-disk cache holds every kernel the run compiles: fla's autotuner compiles dozens
+of configs at its first call at a shape (149 s at the first shape of the thirteenth session's
+run, while the whole call had 600 s). The processes' own autotune timings are thrown away (they
+share the GPU); the run then times everything itself, compiling nothing it has cached.
+
 fla-core refuses to run its gated backward on Hopper with Triton < 3.7.1 (fla issue #640: a
 miscompilation gives a wrong dg). For timing only, this script lifts that guard, says so in
 its output, and reports the errors fla's gradients then have.
@@ -50,6 +57,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -406,6 +414,55 @@ def time_impl(impl, shape, rep=200):
     tf = do_bench(fwd, rep=rep, grad_to_none=t)
     tfb = do_bench(fwdbwd, rep=rep, grad_to_none=t)
     return tf, tfb
+
+
+def warm_shape(shape, cfgs, fla_impl):
+    """One fwd+bwd of each implementation at `shape`, as the run calls them (parity: with the
+    state arguments, ours in bf16 and fp32 and fla in bf16; timing: without, in bf16): compiles
+    what the run will (--warm-procs)."""
+    B, T, H, K, V = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    h0, dht = (0.1 * torch.randn(B, H, K, V, device=DEVICE, generator=gen) for _ in range(2))
+    do = torch.randn(B, T, H, V, device=DEVICE, generator=gen)
+
+    def both(impl, x):
+        fwd_bwd_grads(impl, x, h0, do, dht)
+        t = [x[n].detach().clone().requires_grad_() for n in NAMES]
+        o, _ = impl(*t)
+        o.backward(do.to(o.dtype))
+
+    for dt in (torch.bfloat16, torch.float32):
+        x = make_inputs(shape, dt, seed=1)
+        for cfg in cfgs:
+            with variant(shape, cfg):
+                both(ours, x)
+        if fla_impl is not None and dt == torch.bfloat16:
+            both(fla_impl, x)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def warm_up(shapes, args):
+    """--warm-procs: warm_shape for every shape, in child processes, at most args.warm_procs at a
+    time; logs each one's time and exit status (a failed one leaves its compiles to the run)."""
+    t0 = time.time()
+    base = [sys.executable, "-m", "hymo_kernels.gdn.bench", "--warm-only", "--no-eager", "--variants", args.variants]
+    base += ["--no-fla"] * args.no_fla + ["--smoke"] * args.smoke + (["--tuning", args.tuning] if args.tuning else [])
+    pending = [(shape, base + ["--shapes", ",".join(map(str, shape))]) for shape in shapes]
+    running = []
+    while pending or running:
+        while pending and len(running) < args.warm_procs:
+            shape, cmd = pending.pop(0)
+            running.append((shape, time.time(), subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                                  text=True)))
+        time.sleep(0.2)
+        for item in [r for r in running if r[2].poll() is not None]:
+            shape, start, proc = item
+            running.remove(item)
+            err = proc.stderr.read().strip()
+            tail = "" if proc.returncode == 0 else f": {err[-500:]} (the run compiles this shape itself)"
+            log(f"  warm-up {shape}: exit {proc.returncode} after {time.time() - start:.0f}s{tail}")
+    log(f"warm-up: {len(shapes)} shapes in {time.time() - t0:.0f}s with {args.warm_procs} processes")
 
 
 def kernel_breakdown(impl, shape, iters=10):
@@ -983,6 +1040,10 @@ def main(argv=None):
                     help="parity against the float64 chunked torch reference at every T (seconds; the per-token "
                          "recurrence takes ~6 s per shape at T = 4096)")
     ap.add_argument("--json", default=None, help="write the results here (with --tune: after every shape)")
+    ap.add_argument("--warm-procs", type=int, default=0,
+                    help="processes compiling every shape's kernels (ours, fla) in parallel before the timing "
+                         "run (see the module doc; 0: none)")
+    ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, under TRITON_INTERPRET=1, tiny shapes: tests this script's code paths")
     ap.add_argument("--tuning", default=None,
@@ -1006,7 +1067,7 @@ def main(argv=None):
         tune(args, fla_impl, out)
         return
     eager_impl = None if args.no_eager else load_eager()
-    bw = copy_bandwidth() if DEVICE == "cuda" else float("nan")
+    bw = copy_bandwidth() if DEVICE == "cuda" and not args.warm_only else float("nan")
     log(f"device-to-device copy bandwidth: {bw:.2f} TB/s (bytes read + written)")
     result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, copy_tbps=bw, shapes={})
 
@@ -1021,17 +1082,28 @@ def main(argv=None):
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
         variant_config(Config(), v)  # fail early on a typo
+
+    def configs(shape):
+        """ours per variant at `shape`: (name, config); one variant keeps the plain name "ours"."""
+        B, T, H, K, V = shape
+        if shape in tuned:
+            gdn_chunk.TUNING[(K, V)] = tuned[shape]
+        base = gdn_chunk.get_config(K, V, B * H)
+        gdn_chunk.TUNING.pop((K, V), None)
+        return [("ours" if len(variants) == 1 else f"ours:{v}", variant_config(base, v)) for v in variants]
+
+    if args.warm_only:
+        for shape in shapes:
+            warm_shape(shape, [cfg for _, cfg in configs(shape)], fla_impl)
+        return
+    if args.warm_procs > 0:
+        warm_up(shapes, args)
     table = []
     t_start = time.time()
     for shape in shapes:
         B, T, H, K, V = shape
         log(f"## {shape} (t = {time.time() - t_start:.0f}s)")
-        if shape in tuned:
-            gdn_chunk.TUNING[(K, V)] = tuned[shape]
-        base = gdn_chunk.get_config(K, V, B * H)
-        gdn_chunk.TUNING.pop((K, V), None)
-        # ours per variant: (name, config); one variant keeps the plain name "ours"
-        mine = [("ours" if len(variants) == 1 else f"ours:{v}", variant_config(base, v)) for v in variants]
+        mine = configs(shape)
         for name, cfg in mine:
             log(f"  {name} config: {cfg}")
         res = result["shapes"].setdefault(str(shape), {})

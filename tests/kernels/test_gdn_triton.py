@@ -532,6 +532,47 @@ def test_bench_reports_gpu_time(tmp_path, monkeypatch, capsys):
     assert row.split()[-4] == "0.750"  # ours GPU; then fla GPU (nan: no fla), the ratio and "ok"
 
 
+@pytest.mark.skipif(not gdn_chunk._INTERPRET, reason="the smoke mode runs the kernels in Triton's CPU interpreter")
+def test_bench_warm_up(monkeypatch, capsys):
+    """--warm-procs: each shape's first calls (ours per config in bf16 and fp32, with and without
+    the state arguments; fla in bf16) run in child processes before the timing run; a failed
+    child is reported, not hidden."""
+    import argparse
+
+    from hymo_kernels.gdn import bench
+
+    calls = []
+
+    def recording(name, impl):
+        def run(q, k, v, g, beta, initial_state=None, output_final_state=False):
+            calls.append((name, q.dtype, initial_state is not None, gdn_chunk.TUNING.get((16, 16))))
+            return impl(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+        return run
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    real_ours = bench.ours
+    monkeypatch.setattr(bench, "ours", recording("ours", real_ours))
+    cfgs = [Config(BT=32, BZ=32, BV=16, BV_PASS=16), Config(BT=64, BZ=32, BV=16, BV_PASS=16)]
+    bench.warm_shape((1, 20, 1, 16, 16), cfgs, recording("fla", real_ours))
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert sorted((n, str(d), s, c is not None and c.BT) for n, d, s, c in calls) == sorted(
+        [("ours", str(d), s, c.BT) for d in (bf16, f32) for c in cfgs for s in (True, False)]
+        + [("fla", str(bf16), s, False) for s in (True, False)])
+
+    capsys.readouterr()
+    bench.main(["--smoke", "--shapes", "1,20,1,16,16", "1,37,2,16,16", "--no-fla", "--no-eager", "--no-parity",
+                "--rounds", "1", "--warm-procs", "2"])
+    out = capsys.readouterr().out
+    for shape in ("(1, 20, 1, 16, 16)", "(1, 37, 2, 16, 16)"):
+        assert any(ln.startswith(f"  warm-up {shape}: exit 0 after ") for ln in out.splitlines()), out
+    assert "warm-up: 2 shapes in " in out and out.index("warm-up: 2 shapes") < out.index("## (1, 20, 1, 16, 16)")
+
+    monkeypatch.setattr(bench.sys, "executable", "false")  # every child fails at once
+    bench.warm_up([(1, 20, 1, 16, 16)], argparse.Namespace(warm_procs=1, variants="default", no_fla=True, smoke=True,
+                                                           tuning=None))
+    assert "warm-up (1, 20, 1, 16, 16): exit 1 after" in capsys.readouterr().out
+
+
 class _OpNames:
     """Records the aten / custom op names dispatched inside a `with` block (`fills`: the ones
     that write a constant other than nan_poison's NaN)."""
