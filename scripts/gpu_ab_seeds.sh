@@ -17,8 +17,10 @@
 # on an H200 (eighth session, BENCHMARKS.md), so four seeds fit one 10-minute call on two GPUs.
 #
 # For a bare machine like scripts/gpu_smoke.sh: carry .whl/, data/brown/ and assets/tokenizer/
-# (results under $OUT when set, else outputs/gpu_ab_seeds). DRY=1 runs the same logic on CPU
-# with the debug config (4 steps, seeds "1 2", A_ARGS/B_ARGS as given).
+# (results under $OUT when set, else outputs/gpu_ab_seeds). PACK=1 leaves two files there,
+# table.txt and runs.tar.gz (every log and tensorboard folder): the device tool brings back at
+# most 8 files, and four seeds make 17 (the fourteenth session lost its table that way). DRY=1
+# runs the same logic on CPU with the debug config (4 steps, seeds "1 2", A_ARGS/B_ARGS as given).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -99,4 +101,13 @@ echo "================ gpu_ab_seeds: ${CONFIG}, ${STEPS} steps, seeds ${SEEDS} =
 echo "${A_NAME}: ${A_ARGS:-(no extra arguments)}${A_ENV:+ | environment ${A_ENV}}"
 echo "${B_NAME}: ${B_ARGS:-(no extra arguments)}${B_ENV:+ | environment ${B_ENV}}"
 python3 scripts/optim_compare_table.py "${labels[@]}" | tee "${RESULTS}/table.txt" || status=1
+if [ "${PACK:-0}" = 1 ]; then
+    packed=()
+    for f in "${RESULTS}"/*; do
+        case "$(basename "$f")" in table.txt | runs.tar.gz) ;; *) packed+=("$(basename "$f")") ;; esac
+    done
+    if [ "${#packed[@]}" -gt 0 ]; then
+        tar -czf "${RESULTS}/runs.tar.gz" -C "${RESULTS}" "${packed[@]}" && (cd "${RESULTS}" && rm -rf "${packed[@]}")
+    fi
+fi
 exit "${status}"

@@ -45,3 +45,16 @@ def test_bad_labels_are_refused_before_any_run(tmp_path):
         res = run_script(tmp_path, **env)
         assert res.returncode == 2 and "gpu_ab_seeds:" in res.stderr, env
     assert not (tmp_path / "runs").exists()
+
+
+def test_pack_leaves_the_table_and_one_archive(tmp_path):
+    import tarfile
+
+    res = run_script(tmp_path, STEPS="1", SEEDS="5", A_NAME="x", B_NAME="y", PACK="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["runs.tar.gz", "table.txt"]
+    assert "x@5" in (out / "table.txt").read_text() and "y@5" in (out / "table.txt").read_text()
+    with tarfile.open(out / "runs.tar.gz") as tar:
+        names = tar.getnames()
+    assert {"x_s5.log", "y_s5.log"} <= set(names) and any(n.startswith("tb_x_s5") for n in names), names
