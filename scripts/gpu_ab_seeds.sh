@@ -9,9 +9,10 @@
 # Environment: A_ARGS, B_ARGS (extra run_train.sh arguments of each setting; either may be
 # empty), A_ENV, B_ENV (extra environment of each setting's runs, VAR=value words, e.g. a
 # PYTHONPATH that puts a patched launch table first; a PYTHONPATH given there replaces the one
-# scripts/gpu_env.sh sets, so name the site folder and the repository in it too), A_NAME, B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"),
-# CONFIG (default train_configs/hymo_small.toml), STEPS (default 200), RUN_TIMEOUT (seconds per
-# run, default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
+# scripts/gpu_env.sh sets, so name the site folder and the repository in it too), A_NAME,
+# B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"), CONFIG
+# (default train_configs/hymo_small.toml), STEPS (default 200), RUN_TIMEOUT (seconds per run,
+# default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
 # logged, no checkpoints. On two GPUs A runs on GPU 0 and B on GPU 1, seed by seed side by side;
 # on one GPU (or CPU) one after the other. A 200-step hymo_small run at seq 2048 took 65-115 s
 # on an H200 (eighth session, BENCHMARKS.md), so four seeds fit one 10-minute call on two GPUs.

@@ -59,6 +59,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -453,14 +454,15 @@ def warm_up(shapes, args):
     while pending or running:
         while pending and len(running) < args.warm_procs:
             shape, cmd = pending.pop(0)
-            running.append((shape, time.time(), subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                                                  text=True)))
+            err = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall the child
+            running.append((shape, time.time(), err, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)))
         time.sleep(0.2)
-        for item in [r for r in running if r[2].poll() is not None]:
-            shape, start, proc = item
+        for item in [r for r in running if r[3].poll() is not None]:
+            shape, start, err, proc = item
             running.remove(item)
-            err = proc.stderr.read().strip()
-            tail = "" if proc.returncode == 0 else f": {err[-500:]} (the run compiles this shape itself)"
+            err.seek(0)
+            tail = "" if proc.returncode == 0 else f": {err.read().strip()[-500:]} (the run compiles this shape itself)"
+            err.close()
             log(f"  warm-up {shape}: exit {proc.returncode} after {time.time() - start:.0f}s{tail}")
     log(f"warm-up: {len(shapes)} shapes in {time.time() - t0:.0f}s with {args.warm_procs} processes")
 

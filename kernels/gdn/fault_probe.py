@@ -29,8 +29,8 @@ With ``--sanitizer TOOL`` each child runs under NVIDIA's ``compute-sanitizer --t
 access past a tensor's end is not hidden inside a pooled block. Triton keeps line info in its
 kernels, so a report names the kernel, the source line of the access, global or shared memory,
 and the address: where a fault comes from (kernels/gdn/README.md, large-head path), not only
-which launch made it. The first report lines go into the row (``sanitizer``) and the summary. Much slower;
-use small shapes.
+which launch made it. The first report lines go into the row (``sanitizer``) and the summary.
+Much slower; use small shapes.
 """
 
 from __future__ import annotations
