@@ -260,6 +260,9 @@ VARIANTS = {
     # stack). Untimed (fourteenth session, sm_90 code on the CPU machine only)
     "wy_nreg72": dict(wy_inverse=KernelCfg(1, 1, 0, 72)),
     "wy_nreg64": dict(wy_inverse=KernelCfg(1, 1, 0, 64)),
+    # _bwd_local loads the next sub-chunk's T one step ahead (Config.prefetch_t; fourteenth
+    # session, untimed)
+    "prefetch_t": dict(prefetch_t=True),
 }
 
 
@@ -782,7 +785,7 @@ def table_entry(cfg, K, V, NH):
         ks.append(f"{n}=({', '.join(map(str, [kc.num_warps, kc.num_stages, *tail]))})")
     return (f"({K}, {V}): dict(BT={bt}, BT_FEW={bt_few}, BC={cfg.BC}, BZ={cfg.BZ}, BV={cfg.BV}, "
             f"BV_PASS={cfg.BV_PASS}, bwd_split={cfg.bwd_split}, local_sub_states={cfg.local_sub_states}, "
-            f"states_bf16={cfg.states_bf16}, "
+            f"states_bf16={cfg.states_bf16}, " + (f"prefetch_t={cfg.prefetch_t}, " if cfg.prefetch_t else "") +
             f"dot_bf16={cfg.dot_bf16}, t_bf16={cfg.t_bf16}, "
             f"inverse_prec={cfg.inverse_prec!r}, " + ", ".join(ks) + "),")
 

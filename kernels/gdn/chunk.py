@@ -112,7 +112,11 @@ class Config:
     sub-chunk update of each chunk see the rounding. Half the bytes _fwd_out writes and the
     backward reads. The final state stays fp32. The large-head path and lh_split ignore it. On in
     the K = 32 and K = 128 entries of TABLE since the thirteenth session (5-10 % less time on an
-    H200, the same parity errors)."""
+    H200, the same parity errors).
+    prefetch_t: ``_bwd_local``'s reverse sweep loads the next sub-chunk's T one step ahead (the
+    one load of that loop Triton 3.6 does not pipeline; two more registers per thread in a kernel
+    at 255). Built in the fourteenth session, not timed yet (``bench.py --variants
+    default,prefetch_t``); off."""
 
     BT: int = 64
     BC: int = 16
@@ -149,6 +153,7 @@ class Config:
     lh_split: bool = False
     local_sub_states: bool = False
     states_bf16: bool = False
+    prefetch_t: bool = False
 
     def __post_init__(self):
         # the large-head kernels hold BT × BT tiles (T, P, their gradients) in registers
@@ -295,6 +300,7 @@ def config_from_entry(K: int, V: int, NH: int, entry: dict) -> Config:
                   t_bf16=bool(entry.get("t_bf16", False)),
                   local_sub_states=bool(entry.get("local_sub_states", False)),
                   states_bf16=bool(entry.get("states_bf16", False)),
+                  prefetch_t=bool(entry.get("prefetch_t", False)),
                   inverse_prec=entry.get("inverse_prec", "ieee"), **kc)
 
 
@@ -585,8 +591,8 @@ def run_bwd_local(p: Problem, tinv, do, states, dstates):
     dq, dk, dv, dg, db = grads = _grad_buffers(p, NV)
     _kern._bwd_local_kernel[(p.NC, H, NV)](
         p.q, p.k, p.v, p.gbp, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, p.spans, p.T,
-        p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, SUB_STATES=sub, **_geom(p),
-        **_kw(p.cfg.bwd_local))
+        p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, SUB_STATES=sub,
+        **(dict(PREFETCH_T=True) if p.cfg.prefetch_t else {}), **_geom(p), **_kw(p.cfg.bwd_local))
     return _sum_parts(p, *grads)
 
 

@@ -409,11 +409,13 @@ def _sub_chunk_grads(
     q, k, v, p_gb, tinv, do, dq, dk, dv, dg, db, rows, m_r, i_h, i_v, S, dS, scale, part_qk, part_t,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
     NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr, WANT_DS: tl.constexpr,
+    T_PRE=None, HAS_T_PRE: tl.constexpr = False,
 ):
     """dq, dk, dv, dg, dβ of one sub-chunk (value columns i_v·BV …; partial sums over the
     value blocks at offsets i_v·part_qk / i_v·part_t) from its start state S and the gradient
     dS of its end state (README, Backward). Returns the gradient of its start state when
-    WANT_DS (the sequential sweep of _bwd_local), else dS unchanged (_bwd_sub)."""
+    WANT_DS (the sequential sweep of _bwd_local), else dS unchanged (_bwd_sub). HAS_T_PRE: the
+    caller loaded the sub-chunk's T already (T_PRE, Config.prefetch_t)."""
     o_r = tl.arange(0, BC)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -426,7 +428,10 @@ def _sub_chunk_grads(
     vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
     dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
     gam, gL, bb = _load_packed(p_gb, BC)
-    Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
+    if HAS_T_PRE:
+        Tm = T_PRE
+    else:
+        Tm = _load_tinv(tinv, rows, m_r, i_h, H, BC)
     decay, Bkk, A = _gram(kb, gam, bb, BC, PREC)
     eg = tl.exp(gam)
     egL = tl.exp(gL)
@@ -532,14 +537,17 @@ def _bwd_local_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     NS: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
-    SUB_STATES: tl.constexpr = False,
+    SUB_STATES: tl.constexpr = False, PREFETCH_T: tl.constexpr = False,
 ):
     """Gradients of one chunk (value columns i_v·BV …) from its start state S and the gradient
     dS of its end state. A forward sweep stores the sub-chunk start states (scratch), then a
     reverse sweep runs the adjoint recurrence and emits dq, dk, dv, dg, dβ. With several value
     blocks, dq/dk/dg/dβ are partial sums (offsets part_qk / part_t per block). SUB_STATES
     (Config.local_sub_states): `states` holds every sub-chunk's start state ([NC·NS, H, K, V],
-    saved by the forward), which the reverse sweep loads; there is no forward sweep."""
+    saved by the forward), which the reverse sweep loads; there is no forward sweep.
+    PREFETCH_T (Config.prefetch_t): the reverse sweep loads the next sub-chunk's T one step
+    ahead. T is the one load of that loop Triton does not pipeline (sm_90 TTGIR, Triton 3.6: it
+    is a dot operand both as is and transposed)."""
     i_c, i_h, i_v, t0, eos, o_r, o_k, o_v, m_v = _chunk_tile(chunk_spans, T, BT, BC, K, BV, V, IS_VARLEN)
     if t0 >= eos:
         return
@@ -572,6 +580,9 @@ def _bwd_local_kernel(
         tl.debug_barrier()
 
     # reverse sweep
+    if PREFETCH_T:
+        r_next = t0 + (n_sub - 1) * BC + o_r
+        T_next = _load_tinv(tinv, r_next, r_next < eos, i_h, H, BC)
     for j in range(n_sub):
         s = n_sub - 1 - j
         if SUB_STATES:
@@ -580,9 +591,17 @@ def _bwd_local_kernel(
             S = tl.load(p_scr + s * K * BV)
         rows = t0 + s * BC + o_r
         m_r = rows < eos
-        dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db, rows,
-                              m_r, i_h, i_v, S, dS, scale,
-                              part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True)
+        if PREFETCH_T:
+            Tm = T_next
+            r_next = t0 + tl.maximum(s - 1, 0) * BC + o_r  # the last step reloads the first sub-chunk's
+            T_next = _load_tinv(tinv, r_next, r_next < eos, i_h, H, BC)
+            dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db,
+                                  rows, m_r, i_h, i_v, S, dS, scale,
+                                  part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True, Tm, True)
+        else:
+            dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db,
+                                  rows, m_r, i_h, i_v, S, dS, scale,
+                                  part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True)
 
 
 @triton.jit

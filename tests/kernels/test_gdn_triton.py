@@ -183,13 +183,15 @@ def test_without_state_arguments(bwd_path):
         # the WY inverse's products on three-pass tf32 (the interpreter runs them in fp32; the
         # GPU judges the precision: bench.py's collapsed-keys rows)
         Config(BT=64, BC=16, BZ=64, BV=32, BV_PASS=16, inverse_prec="tf32x3"),
+        # _bwd_local loading the next sub-chunk's T one step ahead, over two value blocks
+        Config(BT=64, BC=16, BZ=64, BV=16, BV_PASS=16, prefetch_t=True),
         # the large-head path: 64- and 32-token chunks, value blocks of 16 (the gradient kernel
         # loops over them, the passes split them over programs)
         Config(BT=64, BC=16, BV=16, large_head=True),
         Config(BT=32, BC=16, BV=32, large_head=True, inverse_prec="tf32x3"),
         Config(BT=64, BC=16, BV=16, large_head=True, lh_wu=True),
     ],
-    ids=["split-V", "BT128-BC32", "BT256", "per-kernel-tiles", "inverse-tf32x3", "large-head-BT64",
+    ids=["split-V", "BT128-BC32", "BT256", "per-kernel-tiles", "inverse-tf32x3", "prefetch-T", "large-head-BT64",
          "large-head-BT32", "large-head-wu"],
 )
 def test_tilings(cfg, tuning, bwd_path):
