@@ -233,15 +233,12 @@ VARIANTS = {
     "pre_retune32": dict(bwd_prep=KernelCfg(1, 2, 64), bwd_local=KernelCfg(2, 2, 32), bwd_dstate=KernelCfg(1, 2, 32),
                          bwd_sub=KernelCfg(2, 1, 32)),
     # K = 32 shapes only: what `--tune --full-grid` proposed at (4,4096,40,32,32) on the local_sub path
-    # (thirteenth session; kernel sums 0.874 -> 0.855 ms, its end-to-end check timed the host): not
-    # adopted until an A/B against the table shows it
+    # (thirteenth session; kernel sums 0.874 -> 0.855 ms, its end-to-end check timed the host). The
+    # fourteenth session's A/B took its BT = 256 into the table, not its launches
     "tune13_32": dict(BT=256, fwd_prep=KernelCfg(2, 3, 64), fwd_out=KernelCfg(2, 3, 32), bwd_dstate=KernelCfg(2, 3, 32),
                       bwd_sub=KernelCfg(1, 2, 32)),
-    # K = 32 shapes only: its parts (fourteenth session: tune13_32 was 1.6 / 3.3 % faster at
-    # (4,4096,40) / (8,4096,40) and 4 % slower at (1,32768,40), whose 40 heads already run
-    # BT_FEW = 256, so its two-warp _fwd_out loses; the state pass halves at BT = 256). BT = 256
-    # went into the table then, so bt256 is the table at K = 32 now; bt256_dstate was level with it
-    "bt256": dict(BT=256),
+    # K = 32 shapes only: tune13_32's two-warp bwd_dstate on the table (fourteenth session, where
+    # the table was timed against BT = 256 as "bt256", now its BT: level with it)
     "bt256_dstate": dict(BT=256, bwd_dstate=KernelCfg(2, 3, 32)),
     # the saved start states in bf16 or fp32 (Config.states_bf16; in the table since the thirteenth session)
     "states_bf16": dict(states_bf16=True),

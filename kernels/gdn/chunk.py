@@ -103,7 +103,8 @@ class Config:
     seeds, ninth session). On in the K = 32 and K = 128 entries of TABLE.
     local_sub_states: the forward saves every sub-chunk's start state (as with bwd_split) and
     ``_bwd_local`` loads them in its reverse sweep instead of re-running the forward sweep
-    through a scratch area. 8× the saved state memory at BT = 128 (README, "Split backward").
+    through a scratch area. BT / BC times the saved state memory (16× at the K = 32 entry's BT = 256;
+    README, "Split backward").
     The large-head path, which has no _bwd_local, ignores it (as it ignores bwd_split). On in
     the K = 32 and K = 128 entries of TABLE since the thirteenth session (5-10 % less time on an H200).
     states_bf16: with bf16 dots (dot_bf16, bf16 inputs), the saved start states (per chunk or per
@@ -114,9 +115,9 @@ class Config:
     the K = 32 and K = 128 entries of TABLE since the thirteenth session (5-10 % less time on an
     H200, the same parity errors).
     prefetch_t: ``_bwd_local``'s reverse sweep loads the next sub-chunk's T one step ahead (the
-    one load of that loop Triton 3.6 does not pipeline; two more registers per thread in a kernel
-    at 255). Built in the fourteenth session, not timed yet (``bench.py --variants
-    default,prefetch_t``); off."""
+    one load of that loop Triton 3.6 does not pipeline; in its sm_90 code here no more registers,
+    stack 24 B at K = 32 as before and 512 -> 480 B at K = 128). Built in the fourteenth
+    session, not timed yet (``bench.py --variants default,prefetch_t``); off."""
 
     BT: int = 64
     BC: int = 16
@@ -592,7 +593,7 @@ def run_bwd_local(p: Problem, tinv, do, states, dstates):
     _kern._bwd_local_kernel[(p.NC, H, NV)](
         p.q, p.k, p.v, p.gbp, tinv, do, states, dstates, scratch, dq, dk, dv, dg, db, p.spans, p.T,
         p.scale, B * T * H * K, B * T * H, V=p.V, BV=BV, NV=NV, NS=NS, SUB_STATES=sub,
-        **(dict(PREFETCH_T=True) if p.cfg.prefetch_t else {}), **_geom(p), **_kw(p.cfg.bwd_local))
+        PREFETCH_T=p.cfg.prefetch_t, **_geom(p), **_kw(p.cfg.bwd_local))
     return _sum_parts(p, *grads)
 
 
@@ -973,7 +974,7 @@ def chunk_gated_delta_rule(
             Default: None.
         bwd_path: the backward (``BWD_PATHS``): "local_sub" saves every 16-token sub-chunk's
             start state for it (K·V per 16 tokens and head, bf16 with bf16 dots: BT / 16 times
-            what "local" saves, 8x at K = 32; the table's choice at K = 32 and 128, 5-10 % faster
+            what "local" saves, 16x at K = 32; the table's choice at K = 32 and 128, 5-10 % faster
             on an H200); "local" saves the chunk start states only and re-runs each chunk's
             forward in the backward; "split" saves what "local_sub" saves, with a parallel
             gradient kernel (slower).

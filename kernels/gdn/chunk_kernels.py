@@ -591,17 +591,14 @@ def _bwd_local_kernel(
             S = tl.load(p_scr + s * K * BV)
         rows = t0 + s * BC + o_r
         m_r = rows < eos
+        Tm = None  # _sub_chunk_grads loads it
         if PREFETCH_T:
             Tm = T_next
             r_next = t0 + tl.maximum(s - 1, 0) * BC + o_r  # the last step reloads the first sub-chunk's
             T_next = _load_tinv(tinv, r_next, r_next < eos, i_h, H, BC)
-            dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db,
-                                  rows, m_r, i_h, i_v, S, dS, scale,
-                                  part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True, Tm, True)
-        else:
-            dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db,
-                                  rows, m_r, i_h, i_v, S, dS, scale,
-                                  part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True)
+        dS = _sub_chunk_grads(q, k, v, _gb_slot(gbp, i_c, i_h, s, H, BT, BC), tinv, do, dq, dk, dv, dg, db, rows,
+                              m_r, i_h, i_v, S, dS, scale,
+                              part_qk, part_t, H, K, V, BC, BV, NORM_QK, PREC, TPREC, True, Tm, PREFETCH_T)
 
 
 @triton.jit
