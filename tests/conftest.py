@@ -18,3 +18,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def interpreted_launches_bounds_checked():
+    """Every Triton launch the interpreter runs in a test is bounds-checked: a load or store
+    outside its tensor arguments fails that test (hymo_kernels.gdn.interpret_bounds), where
+    otherwise it would read a neighbour's bytes or corrupt them unseen."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from hymo_kernels.gdn.interpret_bounds import bounds_checked
+
+    with bounds_checked():
+        yield

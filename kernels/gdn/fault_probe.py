@@ -11,7 +11,9 @@ set and dtype: pass/fail against the float64 chunked reference (bench.py's per-t
 tolerances; inputs as the GPU tests make them), or the launcher that raised; and per kernel the registers, spills (Triton's
 ``n_spills``) and shared memory of what was compiled. The probe runs launches that
 ``chunk.check_large_head_launch`` refuses (≥ 4 warps on Hopper): finding out which of those
-fault is what it is for. On the CPU (TRITON_INTERPRET=1) it checks its own code paths.
+fault is what it is for. On the CPU (TRITON_INTERPRET=1) every launch runs bounds-checked
+(``interpret_bounds``): a load or store outside its tensors fails the launch set there, so an
+access that strays in every layout is told apart from one that strays only in compiled code.
 
 A launch set is comma-separated: ``warps=N`` (every large-head kernel), ``<kernel>=N`` for one
 kernel's warps (``lh_inverse``, ``lh_wu_kernel``, ``lh_fwd_h``, ``lh_fwd_o``, ``lh_bwd_dh``,
@@ -36,6 +38,7 @@ Much slower; use small shapes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,6 +54,7 @@ from . import chunk as C
 from . import chunk_torch as CT
 from . import large_head_kernels as L
 from .chunk import Config, KernelCfg
+from .interpret_bounds import bounds_checked
 
 KERNELS = C.KERNELS_LARGE_ALL
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -145,7 +149,8 @@ def probe(shape, packed: bool, spec: str, dtype: str) -> dict:
     check = C.check_large_head_launch
     C.check_large_head_launch = lambda *a: None  # the launches it refuses are the ones to probe
     try:
-        out = run(ours, DTYPES[dtype])
+        with bounds_checked() if dev == "cpu" else contextlib.nullcontext():
+            out = run(ours, DTYPES[dtype])
     except Exception as e:  # noqa: BLE001 - a fault, out of resources, a compile error: all are results
         res.update(ok=False, where=[f.name for f in traceback.extract_tb(e.__traceback__) if f.name.startswith("run_")],
                    error=repr(e)[:200])
