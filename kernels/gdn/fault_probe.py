@@ -82,6 +82,24 @@ def sanitizer_report(stdout: str) -> list[str]:
     return [s for s in lines if s and not s.startswith("COMPUTE-SANITIZER")][:SANITIZER_LINES]
 
 
+def run_child(prefix: list[str], cmd: list[str], timeout_s: float, failed: dict) -> dict:
+    """Runs a probe's child (cmd, under the sanitizer prefix) with CUDA_LAUNCH_BLOCKING=1, so
+    that a fault is reported by the launch that made it, and returns the JSON row it printed
+    last, or `failed` with the error; with a sanitizer, its first report lines as "sanitizer"."""
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    if prefix:  # pooled blocks would hide an access past a tensor's end from memcheck
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    try:
+        p = subprocess.run(prefix + cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(failed, error=f"did not finish in {timeout_s:g} s")
+    lines = [s for s in p.stdout.splitlines() if s.startswith("{")]
+    res = json.loads(lines[-1]) if lines else dict(failed, error=f"exit {p.returncode}: {p.stderr.strip()[-300:]}")
+    if prefix:
+        res["sanitizer"] = sanitizer_report(p.stdout)
+    return res
+
+
 def parse_launches(spec: str) -> Config:
     """The Config of a launch set (64-token chunks, bf16 dots, the tables' tf32x3 inverse)."""
     cfg = Config(BT=64, BC=16, large_head=True, dot_bf16=True, inverse_prec="tf32x3")
@@ -205,23 +223,12 @@ def main(argv=None):
         prefix = sanitizer_prefix(args.sanitizer)
     except FileNotFoundError as e:
         raise SystemExit(str(e)) from None
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    if prefix:  # pooled blocks would hide an access past a tensor's end from memcheck
-        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     rows = []
     for spec in args.launches:
         for dt in dtypes:
-            cmd = prefix + [sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--child", "--shape", args.shape,
-                            "--dtypes", dt, "--launches", spec] + (["--packed"] if args.packed else [])
-            try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-                lines = [s for s in p.stdout.splitlines() if s.startswith("{")]
-                res = json.loads(lines[-1]) if lines else dict(
-                    launches=spec, dtype=dt, ok=False, error=f"exit {p.returncode}: {p.stderr.strip()[-300:]}")
-                if prefix:
-                    res["sanitizer"] = sanitizer_report(p.stdout)
-            except subprocess.TimeoutExpired:
-                res = dict(launches=spec, dtype=dt, ok=False, error=f"did not finish in {args.timeout_s:g} s")
+            cmd = [sys.executable, "-m", "hymo_kernels.gdn.fault_probe", "--child", "--shape", args.shape,
+                   "--dtypes", dt, "--launches", spec] + (["--packed"] if args.packed else [])
+            res = run_child(prefix, cmd, args.timeout_s, dict(launches=spec, dtype=dt, ok=False))
             rows.append(res)
             print(json.dumps(res), flush=True)
     print(f"\n# fault_probe {shape}{' packed' if args.packed else ''} on "
