@@ -34,6 +34,16 @@ _op_sac_save_list = {
 }
 
 
+def check_compile_backend(job_config, gdn_backend: str) -> bool:
+    """Whether the model's blocks are compiled; raises if the GDN backend cannot be."""
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if compile_model and gdn_backend == "torch_chunk":
+        raise ValueError("[hymo] gdn_backend = 'torch_chunk' is kept out of torch.compile (its "
+                         "compiled backward fails), and the blocks compile with fullgraph: use "
+                         "gdn_backend = 'triton' on a GPU, or --compile.no-enable")
+    return compile_model
+
+
 def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     _check_supported(parallel_dims, job_config)
     # [hymo] gdn_backend is applied by HymoModelArgs.update_from_config; make sure it was.
@@ -42,11 +52,7 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     if wanted != "flavor" and model.model_args.gdn_backend != wanted:
         raise ValueError(f"[hymo] gdn_backend = {wanted!r} was not applied: the model was built "
                          f"with {model.model_args.gdn_backend!r}")
-    compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    if compile_model and model.model_args.gdn_backend == "torch_chunk":
-        raise ValueError("[hymo] gdn_backend = 'torch_chunk' is kept out of torch.compile (its "
-                         "compiled backward fails), and the blocks compile with fullgraph: use "
-                         "gdn_backend = 'triton' on a GPU, or --compile.no-enable")
+    compile_model = check_compile_backend(job_config, model.model_args.gdn_backend)
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)

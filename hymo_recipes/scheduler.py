@@ -124,16 +124,10 @@ def make_wsd_lambda(schedule: WSDSchedule):
     return functools.partial(_lambda, schedule=schedule)
 
 
-def build_hymo_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
-    """TorchTitan's ``build_lr_schedulers_fn``: one WSD LambdaLR per inner optimizer.
-
-    Reads from ``[lr_scheduler]`` (HyMo's fields, hymo_recipes/optim/config.py):
-    ``warmup_fraction``, ``stable_fraction``, ``decay_fraction``, ``decay_type``,
-    ``min_lr_factor``, ``total_steps`` (None: ``training.steps``). The built-in
-    ``warmup_steps`` / ``decay_ratio`` must stay unset: two ways to say one thing.
-    """
-    from hymo_recipes.optim.container import HymoLRSchedulersContainer
-
+def wsd_schedule(lr_scheduler_config, training_steps: int) -> WSDSchedule:
+    """The WSD schedule a ``[lr_scheduler]`` section asks for (see build_hymo_lr_schedulers);
+    raises ValueError naming the setting to change. Also run before the Trainer starts
+    (preflight.py)."""
     cfg = lr_scheduler_config
     if getattr(cfg, "warmup_steps", None) is not None:
         raise ValueError(
@@ -145,8 +139,11 @@ def build_hymo_lr_schedulers(optimizers, lr_scheduler_config, training_steps: in
             "lr_scheduler.decay_ratio is not used by HyMo's WSD schedule; set "
             "lr_scheduler.decay_fraction (and stable_fraction) instead"
         )
-    total = cfg.total_steps if cfg.total_steps is not None else training_steps
-    schedule = WSDSchedule.from_fractions(
+    total, name = ((cfg.total_steps, "lr_scheduler.total_steps") if cfg.total_steps is not None
+                   else (training_steps, "training.steps"))
+    if not isinstance(total, int) or total < 1:
+        raise ValueError(f"{name} must be a positive whole number of steps, got {total!r}")
+    return WSDSchedule.from_fractions(
         total,
         cfg.warmup_fraction,
         cfg.stable_fraction,
@@ -154,4 +151,17 @@ def build_hymo_lr_schedulers(optimizers, lr_scheduler_config, training_steps: in
         cfg.decay_type,
         cfg.min_lr_factor,
     )
+
+
+def build_hymo_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
+    """TorchTitan's ``build_lr_schedulers_fn``: one WSD LambdaLR per inner optimizer.
+
+    Reads from ``[lr_scheduler]`` (HyMo's fields, hymo_recipes/optim/config.py):
+    ``warmup_fraction``, ``stable_fraction``, ``decay_fraction``, ``decay_type``,
+    ``min_lr_factor``, ``total_steps`` (None: ``training.steps``). The built-in
+    ``warmup_steps`` / ``decay_ratio`` must stay unset: two ways to say one thing.
+    """
+    from hymo_recipes.optim.container import HymoLRSchedulersContainer
+
+    schedule = wsd_schedule(lr_scheduler_config, training_steps)
     return HymoLRSchedulersContainer(optimizers, make_wsd_lambda(schedule), schedule=schedule)

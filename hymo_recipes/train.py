@@ -5,8 +5,11 @@
 (``run_train.sh`` runs exactly this, as its TRAIN_FILE.) It differs from ``python -m
 torchtitan.train`` in three ways: ``hymo_recipes`` is imported before TorchTitan, so the
 TrainSpec is registered and, without an accelerator, the CPU shims are in place
-(``cpu_shims.py``); a config error (unknown key, bad TOML, missing file) ends with one
-``hymo: invalid job config`` line instead of a traceback; and the arguments can be passed in.
+(``cpu_shims.py``); a config error (unknown key, bad TOML, missing file, or one of the checks in
+``preflight.py``: value types, flavor, sequence lengths, GDN backend, schedule, a damaged
+checkpoint to resume from) ends with one ``hymo: invalid job config`` line instead of a
+traceback, before anything is built; under torchrun a rank ends when its launcher dies; and the
+arguments can be passed in.
 Running it as ``__main__`` registers nothing twice: the registration lives in
 ``hymo_recipes/__init__.py``, which Python imports once.
 """
@@ -23,19 +26,42 @@ except ModuleNotFoundError:  # Python 3.10
 
 from hymo_recipes import cpu_shims
 from hymo_recipes._titan import ConfigManager, Trainer, init_logger, logger
+from hymo_recipes.preflight import check_job_config
 
 
 def parse_config(args: list[str]):
-    """TorchTitan's ConfigManager (CLI > TOML > defaults), with its errors made one line."""
+    """TorchTitan's ConfigManager (CLI > TOML > defaults) and HyMo's checks before the Trainer
+    starts (preflight.py), with their errors made one line."""
     try:
-        return ConfigManager().parse_args(args)
-    except (FileNotFoundError, tomllib.TOMLDecodeError, ValueError) as e:
+        config = ConfigManager().parse_args(args)
+        check_job_config(config)
+    except (FileNotFoundError, tomllib.TOMLDecodeError, ValueError, NotImplementedError) as e:
         raise SystemExit(f"hymo: invalid job config ({' '.join(args)}): {e}") from None
+    return config
+
+
+def die_with_launcher() -> None:
+    """Under torchrun, end this rank when its launcher dies, however it dies. torchrun starts
+    ranks in sessions of their own, so a launcher killed with SIGKILL (which it cannot forward)
+    would leave them training and writing checkpoints into the run's folder unseen, racing the
+    next run there."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        logger.warning(f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this rank outlives a killed launcher")
+    elif os.getppid() != launcher:  # it died before the signal was armed
+        os._exit(1)
 
 
 def main(args: list[str] | None = None) -> None:
     """Mirrors ``torchtitan.train.main`` (which reads only sys.argv)."""
     init_logger()
+    die_with_launcher()
     cpu_shims.install()
     config = parse_config(sys.argv[1:] if args is None else args)
     trainer: Trainer | None = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS
 
 from .._titan import BaseModelArgs, HuggingFaceTokenizer, JobConfig, logger
@@ -163,9 +165,16 @@ class HymoModelArgs(BaseModelArgs):
         TorchTitan 0.2.2 calls this without a tokenizer, so unless one is passed the tokenizer
         is loaded from ``model.hf_assets_path`` the same way the trainer loads it.
         """
-        seq_len = job_config.training.seq_len
-        if seq_len > self.max_seq_len:
-            logger.info(f"HyMo: max_seq_len {self.max_seq_len} -> {seq_len} (training.seq_len)")
+        lengths = {"training.seq_len": job_config.training.seq_len}
+        if job_config.validation.enable:
+            lengths["validation.seq_len"] = job_config.validation.seq_len
+        for name, n in lengths.items():
+            if n <= self.mtp_depth:
+                raise ValueError(f"{name} = {n} leaves no target for MTP head {self.mtp_depth} (mtp_depth = "
+                                 f"{self.mtp_depth} needs sequences of at least {self.mtp_depth + 1} tokens)")
+        seq_len = max(lengths.values())  # the RoPE table must reach the longest sequence run
+        if seq_len != self.max_seq_len:
+            logger.info(f"HyMo: max_seq_len {self.max_seq_len} -> {seq_len} ({' and '.join(lengths)})")
         self.max_seq_len = seq_len
 
         hymo = getattr(job_config, "hymo", None)  # present when [job] custom_config_module is set
@@ -175,6 +184,13 @@ class HymoModelArgs(BaseModelArgs):
             self.gdn_dot_precision = hymo.gdn_dot_precision
         if hymo is not None and hymo.gdn_bwd_path != "table":
             self.gdn_bwd_path = hymo.gdn_bwd_path
+
+        if self.gdn_backend == "triton":
+            from hymo_kernels.gdn.chunk import unavailable
+
+            if why := unavailable("cuda" if torch.cuda.is_available() else "cpu"):
+                raise ValueError(f'gdn_backend "triton" {why}. Without a GPU use --hymo.gdn_backend torch_chunk '
+                                 "(and --compile.no-enable: that backend is not compiled)")
 
         if job_config.parallelism.context_parallel_degree > 1:
             raise NotImplementedError("context parallelism is not supported: the GDN recurrence spans the sequence")

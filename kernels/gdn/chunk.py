@@ -911,14 +911,19 @@ class _EagerGDN(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_runnable(q: torch.Tensor) -> None:
+def unavailable(device_type: str) -> str | None:
+    """Why the Triton backend cannot run on tensors of this device type here (None: it can)."""
     if _kern is None:
-        raise RuntimeError(f"the Triton GDN backend needs Triton, which failed to import ({_TRITON_ERROR!r}); {_HINT}")
-    if q.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(
-            f"the Triton GDN backend needs CUDA tensors (got {q.device.type}); {_HINT}, "
-            "or set TRITON_INTERPRET=1 before importing hymo_kernels to run the kernels in "
-            "Triton's (slow) CPU interpreter")
+        return f"needs Triton, which failed to import ({_TRITON_ERROR!r})"
+    if device_type != "cuda" and not _INTERPRET:
+        return (f"needs CUDA tensors (got {device_type}), or TRITON_INTERPRET=1 set before importing "
+                "hymo_kernels to run the kernels in Triton's (slow) CPU interpreter")
+    return None
+
+
+def _check_runnable(q: torch.Tensor) -> None:
+    if why := unavailable(q.device.type):
+        raise RuntimeError(f"the Triton GDN backend {why}; {_HINT}")
 
 
 def _check_shapes_traced(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
