@@ -3,7 +3,8 @@
 Each one would otherwise fail late (after the model is built and sharded, or at the first
 forward, or at the first validation) or with an error that does not name the setting to change:
 
-- every TOML/CLI value has its field's type (``steps = "4"`` in a TOML is a string);
+- every TOML/CLI value has its field's type (``steps = "4"`` in a TOML is a string), and the
+  counts in ``POSITIVE`` are at least 1;
 - the model flavor exists, and its args accept this config (``HymoModelArgs.update_from_config``
   on a copy: sequence lengths, MTP depth, the GDN backend on this machine, the tokenizer);
 - torch.compile is not asked of a backend that cannot be compiled (``parallelize``'s check);
@@ -27,8 +28,18 @@ import typing
 from hymo_recipes._titan import logger
 
 
+# Settings that TorchTitan needs positive but checks late, or with a message that does not name them.
+POSITIVE = ("training.local_batch_size", "training.seq_len", "checkpoint.interval", "metrics.log_freq",
+            "validation.seq_len", "validation.freq")
+
+
 def check_job_config(config) -> None:
     check_value_types(config)
+    for name in POSITIVE:
+        section, _, field = name.partition(".")
+        value = getattr(getattr(config, section), field)
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     if config.model.name == "hymo":
         from hymo_recipes.model import hymo_flavors
         from hymo_recipes.parallelize import check_compile_backend

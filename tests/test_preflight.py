@@ -29,7 +29,10 @@ DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]
     (["--lr_scheduler.total_steps", "0"], "lr_scheduler.total_steps must be a positive whole number"),
     (["--lr_scheduler.warmup_fraction", "0.5"], "WSD fractions must sum to 1"),
     (["--compile.enable"], "kept out of torch.compile"),
-], ids=["flavor", "seq-len-mtp", "validation-seq-len-mtp", "steps", "total-steps", "fractions", "compile"])
+    (["--training.local_batch_size", "0"], "training.local_batch_size must be at least 1, got 0"),
+    (["--checkpoint.interval", "0"], "checkpoint.interval must be at least 1"),
+], ids=["flavor", "seq-len-mtp", "validation-seq-len-mtp", "steps", "total-steps", "fractions", "compile",
+        "local-batch", "checkpoint-interval"])
 def test_bad_settings_fail_in_one_line_before_the_trainer(extra, message):
     with pytest.raises(SystemExit, match=f"hymo: invalid job config .*{message}"):
         parse_config(DEBUG + extra)
