@@ -16,7 +16,7 @@ site-packages, and only when no accelerator is present (on a GPU machine nothing
    ``torch.profiler.profile`` when there is no GPU, which raises a TypeError: ``install()``
    wraps the Trainer's ``maybe_enable_profiling`` so that the None is dropped.
 
-The fourth CPU difference, gloo's lack of PREMUL_SUM for FSDP2's gradient reduction, is handled
+A fifth CPU difference, gloo's lack of PREMUL_SUM for FSDP2's gradient reduction, is handled
 in ``parallelize.py`` on every backend (force plain SUM: same numbers).
 """
 

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m hymo_recipes.train --job.config_file train_configs/debug_model.toml
 
 (``run_train.sh`` runs exactly this, as its TRAIN_FILE.) It differs from ``python -m
-torchtitan.train`` in three ways: ``hymo_recipes`` is imported before TorchTitan, so the
+torchtitan.train`` in four ways: ``hymo_recipes`` is imported before TorchTitan, so the
 TrainSpec is registered and, without an accelerator, the CPU shims are in place
 (``cpu_shims.py``); a config error (unknown key, bad TOML, missing file, or one of the checks in
 ``preflight.py``: value types, flavor, sequence lengths, GDN backend, schedule, a damaged

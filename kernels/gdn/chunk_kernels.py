@@ -17,13 +17,15 @@ tiles, and walks one (batch, head) per program through all chunks. Here:
   recurrence on the augmented state [I | 0]. The only sequential loop left is
   ``_state_pass``: one K×K @ K×V product per chunk. The backward does the same with [Mᵀ | R].
 - ``_fwd_out`` and ``_bwd_local`` recompute inside a chunk from q, k, v, T, the γβ pack and
-  the chunk's fp32 boundary state, so no w, u or v_new tensor reaches HBM. The γβ pack holds
+  the chunk's boundary state (with ``Config.local_sub_states``, the table's backward, the
+  saved start state of every sub-chunk, in bf16 with ``Config.states_bf16``), so no w, u or
+  v_new tensor reaches HBM. The γβ pack holds
   each sub-chunk's γ (cumsum of g) and β as two contiguous rows; ``_wy_inverse`` writes it for
   the forward, ``_bwd_prep`` for the backward.
 - Every tile is exactly K or V wide (no padding of 32 to 64). V can be split across
   programs.
-- Split backward (``Config.bwd_split``, an alternative to ``_bwd_local``, off by default until
-  measured): ``_fwd_out`` saves every sub-chunk's start state, ``_bwd_dstate`` walks each
+- Split backward (``Config.bwd_split``, an alternative to ``_bwd_local``; measured slower,
+  off in the table): ``_fwd_out`` saves every sub-chunk's start state, ``_bwd_dstate`` walks each
   chunk's sub-chunks in reverse carrying only dS and saves each sub-chunk's end-state
   gradient, and ``_bwd_sub`` computes the input gradients with one program per sub-chunk.
 
@@ -31,8 +33,9 @@ For K ≥ 64 there is a second path (``Config.large_head``, ``large_head_kernels
 64-token chunks, a sequential pass per value block and parallel gradient kernels, as fla does
 for large heads; built in the sixth session, timed in the seventh: slower, off in the table.
 
-Measured on an H200 (BENCHMARKS.md, ninth session): 2.0-3.1× faster than fla-core 0.6 fwd+bwd
-at K = V = 32 (1.5-2.2× by GPU time), well short of the 8× goal, and 1.5× slower at K = V = 128. Each sub-chunk is a chain of tiny
+Measured on an H200 (README.md beside this file, Performance: the current table against
+fla-core 0.6): faster than fla at K = V = 32 (1.8× by GPU time at HyMo's shape), well short of
+the 8× goal, and 2× slower at K = V = 128. Each sub-chunk is a chain of tiny
 dependent dots, reductions and layout conversions at 1-2 warps per program, so the kernels
 are latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
 """

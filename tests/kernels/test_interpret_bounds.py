@@ -71,6 +71,7 @@ FAULTING = [
     ((2, 130, 2, 128, 128), False, "warps=4,lh_wu"),
     ((2, 130, 2, 128, 128), False, "warps=4,BV=32,t_bf16"),
     ((2, 130, 2, 128, 128), False, "warps=4,lh_split,BK=32"),
+    ((2, 130, 2, 128, 128), False, "warps=4,default_path,BK=32"),  # the split stage on the table's path
     ((1, 150, 2, 32, 32), True, "warps=4"),
 ]
 
