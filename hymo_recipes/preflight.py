@@ -104,7 +104,9 @@ def check_checkpoint_to_load(config) -> None:
         return
     steps = {int(m.group(1)): os.path.join(folder, name)
              for name in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))}
-    whole = sorted(s for s, path in steps.items() if os.path.isfile(os.path.join(path, ".metadata")))
+    # what TorchTitan's _find_load_step counts as a checkpoint: DCP's .metadata, or an HF index
+    whole = sorted(s for s, path in steps.items()
+                   if any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", "model.safetensors.index.json")))
     if ck.load_step != -1:
         target = ck.load_step
         if target not in whole:
@@ -118,7 +120,7 @@ def check_checkpoint_to_load(config) -> None:
         logger.warning(f"checkpoint folder(s) {', '.join(f'step-{s}' for s in skipped)} in {folder} have no .metadata "
                        f"(a save that did not finish) and are skipped: "
                        f"{f'resuming from step-{target}' if target is not None else 'no whole checkpoint, starting afresh'}")
-    if target is not None:
+    if target is not None and os.path.isfile(os.path.join(steps[target], ".metadata")):
         check_dcp_checkpoint(steps[target], earlier=[s for s in whole if s < target])
 
 

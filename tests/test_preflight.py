@@ -130,6 +130,11 @@ def test_unfinished_save_is_skipped_with_a_warning(run_dir, caplog):
     with caplog.at_level("WARNING"):
         preflight.check_checkpoint_to_load(config)  # step-4 is the one loaded, and it is whole
     assert "step-6 in" in caplog.text and "resuming from step-4" in caplog.text
+    caplog.clear()
+    (unfinished / "model.safetensors.index.json").write_text("{}")  # an HF export counts as whole
+    with caplog.at_level("WARNING"):
+        preflight.check_checkpoint_to_load(config)
+    assert "step-6" not in caplog.text
 
 
 _LAUNCHER = """
