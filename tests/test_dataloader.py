@@ -157,6 +157,9 @@ def test_one_rank_into_two_splits_the_unread_documents(tokenizer):
         start, end = shard_bounds(n, r, 2)
         expected = [(max(start, k) - start, end - start)] if k < end else []
         assert resumed.dataset._epoch_ranges == expected
+        # and the tokens: each rank's first sequence opens its first unread document
+        first = next(iter(resumed))[0]["input"][0][:16].tolist()
+        assert first == first_tokens(tokenizer, resumed, max(start, k) - start), r
     assert k < shard_bounds(n, 0, 2)[1]  # rank 0 starts mid-shard, rank 1 at its start
 
 

@@ -94,9 +94,22 @@ def run_dir(tmp_path):
     return config, folder, newest
 
 
-def test_whole_checkpoints_pass(run_dir):
+def _spy_checks(monkeypatch) -> list:
+    checked = []
+    real = preflight.check_dcp_checkpoint
+    monkeypatch.setattr(preflight, "check_dcp_checkpoint",
+                        lambda path, earlier=(): (checked.append((Path(path).name, list(earlier))), real(path, earlier)))
+    return checked
+
+
+def test_whole_checkpoints_pass_and_the_newest_is_checked(run_dir, monkeypatch):
     config, _, _ = run_dir
+    checked = _spy_checks(monkeypatch)
     preflight.check_checkpoint_to_load(config)
+    assert checked == [("step-4", [2])]
+    config.checkpoint.load_step = 2
+    preflight.check_checkpoint_to_load(config)
+    assert checked[-1] == ("step-2", [])
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -122,19 +135,22 @@ def test_damaged_newest_checkpoint_names_itself_and_the_earlier_step(run_dir, da
     preflight.check_checkpoint_to_load(config)
 
 
-def test_unfinished_save_is_skipped_with_a_warning(run_dir, caplog):
+def test_unfinished_save_is_skipped_with_a_warning(run_dir, caplog, monkeypatch):
     config, folder, _ = run_dir
+    checked = _spy_checks(monkeypatch)
     unfinished = _save(folder, 6)
     (unfinished / ".metadata").unlink()
     os.truncate(unfinished / "__0_0.distcp", 10)
     with caplog.at_level("WARNING"):
         preflight.check_checkpoint_to_load(config)  # step-4 is the one loaded, and it is whole
     assert "step-6 in" in caplog.text and "resuming from step-4" in caplog.text
+    assert checked == [("step-4", [2])]
     caplog.clear()
     (unfinished / "model.safetensors.index.json").write_text("{}")  # an HF export counts as whole
     with caplog.at_level("WARNING"):
         preflight.check_checkpoint_to_load(config)
     assert "step-6" not in caplog.text
+    assert checked == [("step-4", [2])]  # step-6 is TorchTitan's to load now, and has no DCP metadata to check
 
 
 _LAUNCHER = """

@@ -118,12 +118,23 @@ def test_train(case, tmp_path):
     assert all(0.0 <= v < 1.0 for v in scalars["moe/dropped_frac"].values())
     assert set(scalars["validation_metrics/loss"]) == {1, 2}  # step 1 and every freq-th
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", f"step-{steps}"]
+    # recomputing the blocks in backward changes no logged number (bitwise on the CPU), the
+    # MoE load shares included, though their counters see every block twice
+    plain = tmp_path / "no_ac"
+    run_train(plain, case.ngpu, *case.overrides, "--activation_checkpoint.mode", "none", "--checkpoint.no-enable")
+    assert_same_training_metrics(scalars, read_scalars(plain))
+    assert scalars["validation_metrics/loss"] == read_scalars(plain)["validation_metrics/loss"]
 
 
+# A schedule whose lr moves every step (factors 0.5, 1, 0.525, 0.05 over 4 steps; 1/3, 2/3, 1, 0.68,
+# 0.37, 0.05 over 6), so that a schedule that restarted or did not wait shows in the logged lr.
+# TorchTitan logs at step k the lr after that step's scheduler step, i.e. step k + 1's.
+MOVING_LR = ("--lr_scheduler.warmup_fraction", "0.5", "--lr_scheduler.stable_fraction", "0",
+             "--lr_scheduler.decay_fraction", "0.5")
 # Two processes, 4 steps; total_steps pins the lr schedule, which otherwise follows
 # --training.steps (the stopped run trains only 2 of the 4).
 TWO_PROCESS = ("--lr_scheduler.total_steps", "4", "--validation.freq", "2",
-               "--validation.steps", "1")
+               "--validation.steps", "1", *MOVING_LR)
 
 
 @pytest.fixture(scope="module")
@@ -193,11 +204,16 @@ def test_two_process_stop_and_resume_is_bitwise(reference_run, tmp_path):
     assert "gradient accumulation steps 2" in shrunk_log
     shrunk_scalars = read_scalars(shrunk)
     for tag in ("lr/NorMuon", "lr/CautiousAdamW"):  # the schedule continues at step 3
+        # a restarted schedule would log at step 3 what the full run logged at step 1
+        assert full_scalars[tag][3] != full_scalars[tag][1], full_scalars[tag]
         assert shrunk_scalars[tag] == {s: full_scalars[tag][s] for s in (3, 4)}, tag
     losses = shrunk_scalars["loss_metrics/global_avg_loss"]
     assert sorted(losses) == [3, 4] and all(v < 20 for v in losses.values())
     ckpt_c = flatten(load_checkpoint(shrunk / "checkpoint" / "step-4", tmp_path))
     assert ckpt_c.keys() == ckpt_a.keys()
+    for key in ("lr_scheduler.normuon.last_epoch", "lr_scheduler.cautious_adamw.last_epoch",
+                "optimizer.nan_guard.steps_done"):
+        assert ckpt_c[key] == ckpt_a[key] == 4, key
 
 
 def test_selective_activation_checkpointing_changes_no_number(reference_run, tmp_path):
@@ -220,7 +236,7 @@ def test_injected_nans_skip_their_steps_and_the_limit_stops_training(tmp_path):
     run = tmp_path / "run"
     log = run_train(run, 1, "--training.steps", "6", "--checkpoint.interval", "1",
                     "--validation.no-enable", "--optimizer.inject_nan_steps", "2", "4", "5",
-                    "--optimizer.consecutive_nan_limit", "2", fails=True)
+                    "--optimizer.consecutive_nan_limit", "2", *MOVING_LR, fails=True)
     assert "NonFiniteTrainingError: 2 consecutive training steps (through step 5)" in log
     assert "optimizer.consecutive_nan_limit = 2" in log
     assert "step 2: non-finite loss or gradient; optimizer step skipped" in log
@@ -232,7 +248,8 @@ def test_injected_nans_skip_their_steps_and_the_limit_stops_training(tmp_path):
     assert scalars["optimizer/skipped_steps"] == {1: 0, 2: 1, 3: 1, 4: 2}
     losses = scalars["loss_metrics/global_avg_loss"]
     assert [math.isnan(losses[s]) for s in (1, 2, 3, 4)] == [False, True, False, True]
-    assert scalars["lr/NorMuon"][2] == scalars["lr/NorMuon"][3]  # the schedule waited
+    lr = scalars["lr/NorMuon"]  # the schedule moves every step, but not on a skipped one
+    assert lr[1] == lr[2] != lr[3] == lr[4], lr
 
     ckpt = {s: flatten(load_checkpoint(folder / f"step-{s}", tmp_path)) for s in (1, 2, 3, 4)}
     counters = ("train_state.", "dataloader.", "optimizer.nan_guard.")

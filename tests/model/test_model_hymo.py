@@ -119,9 +119,9 @@ def test_meta_init_sets_every_parameter_and_buffer(tiny_args):
     direct = HymoModel(args)
     torch.manual_seed(0)
     direct.init_weights()
-    for (name, a), (_, b) in zip(list(model.named_parameters()) + list(model.named_buffers()),
-                                 list(direct.named_parameters()) + list(direct.named_buffers())):
-        assert torch.equal(a, b), name
+    for (name, a), (name_b, b) in zip(list(model.named_parameters()) + list(model.named_buffers()),
+                                      list(direct.named_parameters()) + list(direct.named_buffers()), strict=True):
+        assert name == name_b and torch.equal(a, b), name
 
 
 def test_gdn_decays_start_in_the_intended_range():

@@ -108,6 +108,25 @@ def test_state_precreated_and_none_grad_is_zero_grad():
     assert opt.state[p]["step"].item() == 1.0
 
 
+def test_none_grad_after_a_real_step_equals_a_zero_grad():
+    """Step 2 with no gradient does what a zero gradient does (the moments decay, the cautious
+    mask and the decay act), and the step counts."""
+    g = torch.tensor([0.5, 0.25, -1.0])
+    twins = []
+    for second in (None, torch.zeros(3)):
+        p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+        opt = CautiousAdamW([p], lr=0.1, weight_decay=0.5)
+        p.grad = g.clone()
+        opt.step()
+        p.grad = second
+        opt.step()
+        twins.append((p.detach().clone(), *(opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq", "step"))))
+    for a, b in zip(*twins, strict=True):
+        assert torch.equal(a, b)
+    assert twins[0][3].item() == 2.0
+    assert twins[0][1].abs().min() > 0  # the first gradient's momentum is still there
+
+
 def test_rejects_low_precision_params():
     with pytest.raises(ValueError, match="fp32"):
         CautiousAdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))])
