@@ -7,14 +7,15 @@
 `_lh_fwd_h` (large_head_kernels.py) faults with 4 warps and 32-column value blocks at K = 128
 on an H200, under Triton 3.6 and 3.7.1; with 64-column blocks it passes (kernels/gdn/README.md).
 Its addressing stays inside its tensors in the interpreter (``interpret_bounds``), so the fault
-is in the compiled code. ``_repro_kernel`` is that kernel's chunk loop cut down to its dots
-with T = (I + A)⁻¹ and the state, in stages that each add one piece:
+is in the compiled code. ``_repro_kernel`` is that kernel's chunk loop (and ``_lh_fwd_o``'s
+chunk) cut down to its dots with T = (I + A)⁻¹ and the state, in stages that each add a piece:
 
 | stage | what one chunk does (U, W: BT rows; S: K × BV) |
 |---|---|
 | ``t_dot`` | U = T Y: the dot with a BV-wide right operand, a tf32 warpgroup MMA as narrow as ``m64n32k8`` at BV = 32 (the lead in the README) |
 | ``vnew`` | and W = T X, v_new = U − W S |
 | ``pass`` | and S ← 0.9 S + K̃ᵀ v_new: ``_lh_fwd_h``'s algebra, without the l2 norms, decays and gates |
+| ``out`` | ``vnew``, then o = Q S + (Q K̃ᵀ ⊙ causal) v_new with S held: ``_lh_fwd_o``'s algebra (it faulted first with 8 warps, and at K = 32 with 4) |
 
 No l2 norm, cumsum, exp or packed sequences; rows past T are masked as in the real kernel. Each
 case runs in its own process with CUDA_LAUNCH_BLOCKING=1 (a fault poisons the CUDA context) and
@@ -41,7 +42,7 @@ from .chunk_kernels import _dot  # the real kernels' dot, PREC "bf16" included
 from .fault_probe import SANITIZER_TOOLS, run_child, sanitizer_prefix
 from .interpret_bounds import bounds_checked
 
-STAGES = ("t_dot", "vnew", "pass")
+STAGES = ("t_dot", "vnew", "pass", "out")
 PRECS = ("tf32", "bf16", "ieee")
 # What a case sets, and its default: the launch set that faults in _lh_fwd_h.
 DEFAULTS = dict(stage="pass", warps=4, BV=32, K=128, V=128, BT=64, prec="tf32", stages=2, T=250)
@@ -52,6 +53,8 @@ DEFAULT_GRID = [
     "stage=t_dot,prec=bf16", "stage=pass,prec=bf16",
     "stage=t_dot,warps=8", "stage=t_dot,warps=2",
     "stage=t_dot,stages=1", "stage=t_dot,K=64,V=64",
+    # _lh_fwd_o's faulting launches: 8 warps with 64-column blocks, and K = 32 with 4 warps
+    "stage=out", "stage=out,warps=8,BV=64", "stage=out,K=32,V=32",
 ]
 # fp32 accumulation everywhere; tf32 operands keep 10 mantissa bits, bf16 7.
 TOL = dict(tf32=5e-3, bf16=3e-2, ieee=1e-5)
@@ -62,7 +65,8 @@ def _repro_kernel(t, x, y, kt, s0, u_out, s_out, T, NC,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                   STAGE: tl.constexpr, PREC: tl.constexpr):
     """One value block (program i_v) of a pass over NC chunks of BT rows: t [T, BT] holds each
-    chunk's T, x / kt [T, K], y [T, V]; u_out [T, V] gets U (t_dot) or v_new; s_out [K, V]."""
+    chunk's T, x / kt [T, K] (x is also the queries of ``out``), y [T, V]; u_out [T, V] gets U
+    (t_dot), v_new (vnew, pass) or o (out); s_out [K, V] the final state."""
     i_v = tl.program_id(0)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -81,6 +85,10 @@ def _repro_kernel(t, x, y, kt, s0, u_out, s_out, T, NC,
         if STAGE == "pass":
             Kt = tl.load(kt + rows[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
             S = 0.9 * S + _dot(tl.trans(Kt), U, PREC)
+        if STAGE == "out":
+            Kt = tl.load(kt + rows[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
+            P = tl.where(o_t[:, None] >= o_t[None, :], _dot(X, tl.trans(Kt), PREC), 0.0)
+            U = _dot(X, S, PREC) + _dot(P, U, PREC)
         tl.store(u_out + rows[:, None] * V + o_v[None, :], U, mask=m_r)
     tl.store(s_out + o_k[:, None] * V + o_v[None, :], S)
 
@@ -133,6 +141,9 @@ def reference(case: dict, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
             U = U - (Tm @ d["x"][r]) @ S
         if case["stage"] == "pass":
             S = 0.9 * S + d["kt"][r].T @ U
+        if case["stage"] == "out":
+            Q = d["x"][r]
+            U = Q @ S + torch.tril(Q @ d["kt"][r].T) @ U
         us.append(U)
     return torch.cat(us), S
 
