@@ -45,7 +45,7 @@ from .interpret_bounds import bounds_checked
 STAGES = ("t_dot", "vnew", "pass", "out")
 PRECS = ("tf32", "bf16", "ieee")
 # What a case sets, and its default: the launch set that faults in _lh_fwd_h.
-DEFAULTS = dict(stage="pass", warps=4, BV=32, K=128, V=128, BT=64, prec="tf32", stages=2, T=250)
+DEFAULTS = dict(stage="pass", warps=4, BV=32, K=128, V=128, BT=64, prec="tf32", stages=2, T=250, ykmajor=0)
 DEFAULT_GRID = [
     # the faulting launch of _lh_fwd_h, then one piece at a time, then the passing 64-column one
     "stage=pass", "stage=vnew", "stage=t_dot",
@@ -53,6 +53,10 @@ DEFAULT_GRID = [
     "stage=t_dot,prec=bf16", "stage=pass,prec=bf16",
     "stage=t_dot,warps=8", "stage=t_dot,warps=2",
     "stage=t_dot,stages=1", "stage=t_dot,K=64,V=64",
+    # how Y reaches shared memory (sm_90 TTGIR, Triton 3.6): by default cp.async straight into the
+    # transposed (K-major) layout the tf32 MMA reads; ykmajor: cp.async in its own order, then a
+    # transposed view; stages=1 (above): from registers, no cp.async
+    "stage=t_dot,ykmajor=1", "stage=pass,ykmajor=1",
     # _lh_fwd_o's faulting launches: 8 warps with 64-column blocks, and K = 32 with 4 warps
     "stage=out", "stage=out,warps=8,BV=64", "stage=out,K=32,V=32",
 ]
@@ -63,10 +67,13 @@ TOL = dict(tf32=5e-3, bf16=3e-2, ieee=1e-5)
 @triton.jit
 def _repro_kernel(t, x, y, kt, s0, u_out, s_out, T, NC,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                  STAGE: tl.constexpr, PREC: tl.constexpr):
+                  STAGE: tl.constexpr, PREC: tl.constexpr, Y_KMAJOR: tl.constexpr = False):
     """One value block (program i_v) of a pass over NC chunks of BT rows: t [T, BT] holds each
-    chunk's T, x / kt [T, K] (x is also the queries of ``out``), y [T, V]; u_out [T, V] gets U
-    (t_dot), v_new (vnew, pass) or o (out); s_out [K, V] the final state."""
+    chunk's T, x / kt [T, K] (x is also the queries of ``out``), y [T, V] ([V, T] with Y_KMAJOR:
+    then Y, the right operand of T Y, arrives with its reduction dimension contiguous, the
+    layout a tf32 warpgroup MMA reads; otherwise Triton transposes it on the way into shared
+    memory); u_out [T, V] gets U (t_dot), v_new (vnew, pass) or o (out); s_out [K, V] the final
+    state."""
     i_v = tl.program_id(0)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -76,7 +83,10 @@ def _repro_kernel(t, x, y, kt, s0, u_out, s_out, T, NC,
         rows = c * BT + o_t
         m_r = (rows < T)[:, None]
         Tm = tl.load(t + rows[:, None] * BT + o_t[None, :], mask=m_r, other=0.0)
-        Y = tl.load(y + rows[:, None] * V + o_v[None, :], mask=m_r, other=0.0)
+        if Y_KMAJOR:
+            Y = tl.trans(tl.load(y + o_v[:, None] * T + rows[None, :], mask=(rows < T)[None, :], other=0.0))
+        else:
+            Y = tl.load(y + rows[:, None] * V + o_v[None, :], mask=m_r, other=0.0)
         U = _dot(Tm, Y, PREC)
         if STAGE != "t_dot":
             X = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
@@ -110,8 +120,8 @@ def parse_case(spec: str) -> dict:
     for key in ("K", "V", "BT", "BV"):
         if case[key] < 16 or case[key] & (case[key] - 1):
             raise ValueError(f"bad case {spec!r}: {key} = {case[key]} must be a power of two ≥ 16")
-    if case["V"] % case["BV"] or case["T"] < 1:
-        raise ValueError(f"bad case {spec!r}: BV must divide V, and T ≥ 1")
+    if case["V"] % case["BV"] or case["T"] < 1 or case["ykmajor"] not in (0, 1):
+        raise ValueError(f"bad case {spec!r}: BV must divide V, T ≥ 1 and ykmajor 0 or 1")
     return case
 
 
@@ -158,9 +168,11 @@ def run_case(case: dict) -> dict:
     res = dict(case)
     try:
         with bounds_checked() if device == "cpu" else contextlib.nullcontext():
-            ck = _repro_kernel[(V // BV,)](x["t"], x["x"], x["y"], x["kt"], x["s0"], u, s, T, -(-T // BT),
+            y = x["y"].t().contiguous() if case["ykmajor"] else x["y"]
+            ck = _repro_kernel[(V // BV,)](x["t"], x["x"], y, x["kt"], x["s0"], u, s, T, -(-T // BT),
                                            K=K, V=V, BT=BT, BV=BV, STAGE=case["stage"], PREC=case["prec"],
-                                           num_warps=case["warps"], num_stages=case["stages"])
+                                           Y_KMAJOR=bool(case["ykmajor"]), num_warps=case["warps"],
+                                           num_stages=case["stages"])
         if device == "cuda":
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - a fault, out of resources, a compile error: all are results
