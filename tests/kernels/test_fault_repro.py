@@ -21,15 +21,17 @@ def test_parse_case():
     assert (case["stage"], case["warps"], case["BV"], case["prec"], case["K"]) == ("t_dot", 8, 64, "bf16", 128)
     for bad, msg in [("bogus=1", "bad case item"), ("warps=four", "whole number"), ("stage=", "bad case item"),
                      ("stage=fwd", "stage from"), ("prec=fp8", "prec from"), ("BV=48", "power of two"),
-                     ("BV=8", "power of two"), ("V=32,BV=64", "BV must divide V"), ("T=0", "T ≥ 1"), ("ykmajor=2", "ykmajor 0 or 1")]:
+                     ("BV=8", "power of two"), ("V=32,BV=64", "BV must divide V"), ("T=0", "T ≥ 1"), ("ykmajor=2", "ykmajor 0 or 1"),
+                     ("sprec=fp8", "sprec from")]:
         with pytest.raises(ValueError, match=msg):
             fr.parse_case(bad)
 
 
 @pytest.mark.parametrize("stage", fr.STAGES)
-@pytest.mark.parametrize("prec, ykmajor", [("tf32", 0), ("ieee", 0), ("ieee", 1)])
-def test_each_stage_matches_float64(stage, prec, ykmajor):
-    res = fr.run_case(fr.parse_case(f"{TINY},stage={stage},prec={prec},ykmajor={ykmajor}"))
+@pytest.mark.parametrize("prec, ykmajor, sprec", [("tf32", 0, "same"), ("ieee", 0, "same"), ("ieee", 1, "same"),
+                                                  ("tf32", 0, "ieee")])
+def test_each_stage_matches_float64(stage, prec, ykmajor, sprec):
+    res = fr.run_case(fr.parse_case(f"{TINY},stage={stage},prec={prec},ykmajor={ykmajor},sprec={sprec}"))
     assert res["result"] == "PASS", res
     assert max(res["errors"].values()) < 1e-5  # the interpreter's dots are fp32
 
