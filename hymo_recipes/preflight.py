@@ -9,6 +9,8 @@ forward, or at the first validation) or with an error that does not name the set
   on a copy: sequence lengths, MTP depth, the GDN backend on this machine, the tokenizer);
 - torch.compile is not asked of a backend that cannot be compiled (``parallelize``'s check);
 - the learning-rate schedule can be built for ``training.steps``;
+- a local dataset's files exist (training, and validation when it is on: its missing files
+  were found only after the model was built);
 - the checkpoint a resume would load is whole: its ``.metadata`` reads, and every shard file it
   names is there and long enough. Step folders without ``.metadata`` (a save that was killed)
   are skipped by TorchTitan; that is logged here, with the step that is loaded instead.
@@ -41,6 +43,7 @@ def check_job_config(config) -> None:
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if config.model.name == "hymo":
+        from hymo_recipes.data import check_dataset
         from hymo_recipes.model import hymo_flavors
         from hymo_recipes.parallelize import check_compile_backend
         from hymo_recipes.scheduler import wsd_schedule
@@ -51,6 +54,9 @@ def check_job_config(config) -> None:
         args.update_from_config(config)
         check_compile_backend(config, args.gdn_backend)
         wsd_schedule(config.lr_scheduler, config.training.steps)
+        check_dataset(config.training.dataset, config.training.dataset_path, "[training] dataset")
+        if config.validation.enable:
+            check_dataset(config.validation.dataset, config.validation.dataset_path, "[validation] dataset")
     check_checkpoint_to_load(config)
 
 

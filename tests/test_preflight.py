@@ -31,8 +31,11 @@ DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]
     (["--compile.enable"], "kept out of torch.compile"),
     (["--training.local_batch_size", "0"], "training.local_batch_size must be at least 1, got 0"),
     (["--checkpoint.interval", "0"], "checkpoint.interval must be at least 1"),
+    (["--validation.dataset_path", "/nonexistent/data"],
+     "\\[validation\\] dataset: dataset path '/nonexistent/data' does not exist: check dataset_path"),
+    (["--training.dataset", "local"], "\\[training\\] dataset: dataset 'local' needs dataset_path"),
 ], ids=["flavor", "seq-len-mtp", "validation-seq-len-mtp", "steps", "total-steps", "fractions", "compile",
-        "local-batch", "checkpoint-interval"])
+        "local-batch", "checkpoint-interval", "validation-data", "local-without-path"])
 def test_bad_settings_fail_in_one_line_before_the_trainer(extra, message):
     with pytest.raises(SystemExit, match=f"hymo: invalid job config .*{message}"):
         parse_config(DEBUG + extra)

@@ -83,6 +83,20 @@ for _name, _path, _loader in (("brown", DEFAULT_DATA_DIR, load_local),
                                                     _text)
 
 
+def check_dataset(name: str, path: str | None, setting: str) -> None:
+    """Raises ValueError naming `setting` if a local dataset's files are missing or unusable
+    (run before anything is built, preflight.py); Hub datasets and other names are left to
+    their loaders."""
+    cfg = DATASETS.get(name)
+    loader = getattr(cfg, "loader", None)
+    if getattr(loader, "func", None) is not load_local:
+        return
+    try:
+        _local_files(path or cfg.path, loader.keywords["split"])
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"{setting}: {e}") from None
+
+
 def build_tokenizer(job_config) -> HuggingFaceTokenizer:
     """TorchTitan's HuggingFaceTokenizer, after checking the files exist and that documents
     will be separated (an EOS id), so a bad path fails here, before the model is built."""
