@@ -13,15 +13,15 @@ HyMo shape; the eager reference is timed once), the minimal HBM bytes of each ov
 measured device-to-device copy bandwidth, and a per-kernel breakdown from torch.profiler.
 Speed-ups are not printed for a shape whose parity failed.
 
-``--variants`` compares backward paths in the same run, at every shape, each with its own
-parity rows (one shared reference), fwd and fwd+bwd times and per-kernel breakdown:
-``default`` (the table's config as is; at K = 32 and 128 its backward is ``local_sub``:
-``_bwd_local`` on the saved sub-chunk states), ``local`` (``_bwd_local`` recomputing each
-chunk's sub-chunk states) and ``split`` (``_bwd_dstate`` + ``_bwd_sub``, ``Config.bwd_split``),
-the dot precision, ``bf16dots`` / ``tf32dots`` (``Config.dot_bf16``), ``inv_tf32x3``
-(``Config.inverse_prec``), and the rest of ``VARIANTS``, on top of the table or ``--tuning``. On a GPU every variant also runs the collapsed-keys stress case
-(nearly parallel keys, where tf32 in the WY inverse gave NaN); failing it counts as failed
-parity.
+``--variants`` compares backward paths in the same run, at every shape, each with its own parity
+rows (one shared reference), fwd and fwd+bwd times and per-kernel breakdown: ``default`` (the
+table's config as is; at K = 32 and 128 its backward is ``local_sub``: ``_bwd_local`` on the
+saved sub-chunk states), ``local`` (``_bwd_local`` recomputing each chunk's sub-chunk states)
+and ``split`` (``_bwd_dstate`` + ``_bwd_sub``, ``Config.bwd_split``), the dot precision,
+``bf16dots`` / ``tf32dots`` (``Config.dot_bf16``), ``inv_tf32x3`` (``Config.inverse_prec``), and
+the rest of ``VARIANTS``, on top of the table or ``--tuning``. On a GPU every variant also runs
+the collapsed-keys stress case (nearly parallel keys, where tf32 in the WY inverse gave NaN);
+failing it counts as failed parity.
 
 All three are called the same way: q, k raw (L2-normalised in the kernel, fla's
 ``use_qk_l2norm_in_kernel=True``; the eager reference normalises them first), v, beta bf16,

@@ -53,7 +53,7 @@ from . import bench as Bm
 from . import chunk as C
 from . import chunk_torch as CT
 from . import large_head_kernels as L
-from .chunk import Config, KernelCfg
+from .chunk import Config
 from .interpret_bounds import bounds_checked
 
 KERNELS = C.KERNELS_LARGE_ALL
@@ -63,16 +63,16 @@ SANITIZER_LINES = 12  # report lines kept per launch set
 
 
 def sanitizer_prefix(tool: str | None) -> list[str]:
-    """The command a child runs under (empty without a tool); raises if compute-sanitizer is
-    not on the PATH, since a probe asked to sanitize must not run without it."""
+    """The command a child runs under (empty without a tool); exits with a message if
+    compute-sanitizer is not on the PATH, since a probe asked to sanitize must not run without it."""
     if tool is None:
         return []
     if tool not in SANITIZER_TOOLS:
         raise ValueError(f"unknown sanitizer tool {tool!r}: pick from {SANITIZER_TOOLS}")
     exe = shutil.which("compute-sanitizer")
     if exe is None:
-        raise FileNotFoundError("--sanitizer needs NVIDIA's compute-sanitizer on the PATH (it ships with the CUDA "
-                                "toolkit, e.g. /usr/local/cuda/bin); run without --sanitizer to only probe")
+        raise SystemExit("--sanitizer needs NVIDIA's compute-sanitizer on the PATH (it ships with the CUDA "
+                         "toolkit, e.g. /usr/local/cuda/bin); run without --sanitizer to only probe")
     return [exe, "--tool", tool, "--print-limit", str(SANITIZER_LINES), "--show-backtrace", "device"]
 
 
@@ -219,10 +219,7 @@ def main(argv=None):
     if args.child:
         print(json.dumps(probe(shape, args.packed, args.launches[0], dtypes[0])), flush=True)
         return
-    try:
-        prefix = sanitizer_prefix(args.sanitizer)
-    except FileNotFoundError as e:
-        raise SystemExit(str(e)) from None
+    prefix = sanitizer_prefix(args.sanitizer)
     rows = []
     for spec in args.launches:
         for dt in dtypes:

@@ -214,10 +214,7 @@ def main(argv=None):
     if args.child:
         print(json.dumps(run_case(cases[0])), flush=True)
         return
-    try:
-        prefix = sanitizer_prefix(args.sanitizer)
-    except FileNotFoundError as e:
-        raise SystemExit(str(e)) from None
+    prefix = sanitizer_prefix(args.sanitizer)
     rows = []
     for spec, case in zip(args.cases, cases):
         cmd = [sys.executable, "-m", "hymo_kernels.gdn.fault_repro", "--child", "--cases", spec]
