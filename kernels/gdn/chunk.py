@@ -116,8 +116,8 @@ class Config:
     H200, the same parity errors).
     prefetch_t: ``_bwd_local``'s reverse sweep loads the next sub-chunk's T one step ahead (the
     one load of that loop Triton 3.6 does not pipeline; in its sm_90 code here no more registers,
-    stack 24 B at K = 32 as before and 512 -> 480 B at K = 128). Built in the fourteenth
-    session, not timed yet (``bench.py --variants default,prefetch_t``); off."""
+    stack 24 B at K = 32 as before and 512 -> 480 B at K = 128). On in the K = 32 and K = 128
+    entries of TABLE since the sixteenth session (GPU time -2 % at K = 32, -0.8 % at K = 128)."""
 
     BT: int = 64
     BC: int = 16
@@ -250,12 +250,14 @@ TABLE: dict[tuple[int, int], dict] = {
     # saved states halved (128 B per token and head); 200-step hymo_small runs with fp32 states
     # end 0.013 lower on average over seeds 1-4 (per seed +0.025 to -0.051: within the noise,
     # fourteenth session). BT = 256 with many sequences too (fourteenth session, same run, with the
-    # state pass's prefetch): GPU time 0.789 -> 0.768 (4,4096,40), 1.537 -> 1.431 (8,4096,40)
+    # state pass's prefetch): GPU time 0.789 -> 0.768 (4,4096,40), 1.537 -> 1.431 (8,4096,40).
+    # prefetch_t (sixteenth session, one run): GPU time 0.765 -> 0.751, 1.543 -> 1.512 (1,32768,40),
+    # 1.427 -> 1.402 (8,4096,40)
     (32, 32): dict(BT=256, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 3, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
                    bwd_prep=(1, 3, 64), bwd_local=(2, 3, 32),
                    bwd_split=False, local_sub_states=True, states_bf16=True, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", bwd_dstate=(1, 3, 32),
-                   bwd_sub=(1, 1, 32)),
+                   bwd_sub=(1, 1, 32), prefetch_t=True),
     # K = V = 64 and 256: not tuned yet
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
@@ -265,9 +267,9 @@ TABLE: dict[tuple[int, int], dict] = {
     # local_sub_states 5.047 -> 4.548 ms (4 KB of saved state per token and head, 1.07 GB per layer),
     # the partial sums in one kernel -> 4.27, fwd_out / bwd_prep / bwd_sub from `--tune --full-grid`
     # on that table (4.30 -> 4.08 ms in the tuner), states_bf16 4.273 -> 3.831 ms GPU time (before the
-    # retune; the saved states halved)
+    # retune; the saved states halved); prefetch_t 3.691 -> 3.662 ms GPU time (sixteenth session)
     (128, 128): dict(BT=64, BT_FEW=256, BC=16, BZ=64, BV=64, BV_PASS=32, bwd_split=False, local_sub_states=True,
-                     states_bf16=True, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3",
+                     states_bf16=True, dot_bf16=True, t_bf16=True, inverse_prec="tf32x3", prefetch_t=True,
                      wy_inverse=(1, 1), fwd_prep=(4, 3, 128), state_pass=(8, 2, 64), fwd_out=(4, 3, 64),
                      bwd_prep=(4, 3, 64), bwd_local=(8, 3, 64), bwd_dstate=(4, 3, 64), bwd_sub=(8, 2, 64)),
     (256, 256): _UNTUNED,
