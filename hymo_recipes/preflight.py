@@ -51,7 +51,7 @@ def check_job_config(config) -> None:
         if config.model.flavor not in hymo_flavors:
             raise ValueError(f"unknown [model] flavor {config.model.flavor!r}: HyMo has {', '.join(hymo_flavors)}")
         args = copy.deepcopy(hymo_flavors[config.model.flavor])  # the Trainer updates the original itself
-        args.update_from_config(config)
+        args.update_from_config(config, log=False)
         check_compile_backend(config, args.gdn_backend)
         wsd_schedule(config.lr_scheduler, config.training.steps)
         check_dataset(config.training.dataset, config.training.dataset_path, "[training] dataset")

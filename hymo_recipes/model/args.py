@@ -159,11 +159,12 @@ class HymoModelArgs(BaseModelArgs):
         if self.mtp_depth > 0 and self.mtp_inter_dim <= 0:
             raise ValueError(f"mtp_inter_dim must be positive, got {self.mtp_inter_dim}")
 
-    def update_from_config(self, job_config: JobConfig, tokenizer=None, **kwargs) -> None:
+    def update_from_config(self, job_config: JobConfig, tokenizer=None, *, log: bool = True, **kwargs) -> None:
         """Takes seq_len from [training] and vocab_size from the tokenizer.
 
         TorchTitan 0.2.2 calls this without a tokenizer, so unless one is passed the tokenizer
-        is loaded from ``model.hf_assets_path`` the same way the trainer loads it.
+        is loaded from ``model.hf_assets_path`` the same way the trainer loads it. ``log=False``
+        (the preflight check, on a copy) leaves the max_seq_len change for the Trainer's call to log.
         """
         lengths = {"training.seq_len": job_config.training.seq_len}
         if job_config.validation.enable:
@@ -173,7 +174,7 @@ class HymoModelArgs(BaseModelArgs):
                 raise ValueError(f"{name} = {n} leaves no target for MTP head {self.mtp_depth} (mtp_depth = "
                                  f"{self.mtp_depth} needs sequences of at least {self.mtp_depth + 1} tokens)")
         seq_len = max(lengths.values())  # the RoPE table must reach the longest sequence run
-        if seq_len != self.max_seq_len:
+        if seq_len != self.max_seq_len and log:
             logger.info(f"HyMo: max_seq_len {self.max_seq_len} -> {seq_len} ({' and '.join(lengths)})")
         self.max_seq_len = seq_len
 

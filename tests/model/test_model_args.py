@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 
@@ -89,6 +90,16 @@ def test_update_from_config_takes_seq_len_and_tokenizer_vocab(tmp_path):
     assert args.max_seq_len == 1024
     assert args.vocab_size == 301
     assert hymo_flavors["debugmodel"].vocab_size == 2048  # the flavor table is untouched by the copy
+
+
+def test_update_from_config_logs_the_seq_len_change_unless_told_not_to(tmp_path, caplog):
+    # the preflight check runs it on a copy with log=False, so a launch logs the change once
+    caplog.set_level(logging.INFO)
+    jc = _job_config(128, str(tmp_path / "missing"))
+    dataclasses.replace(hymo_flavors["debugmodel"]).update_from_config(jc, log=False)
+    assert "max_seq_len" not in caplog.text
+    dataclasses.replace(hymo_flavors["debugmodel"]).update_from_config(jc)
+    assert caplog.text.count("max_seq_len 512 -> 128") == 1
 
 
 def test_update_from_config_without_tokenizer_keeps_vocab_and_rejects_cp(tmp_path):
