@@ -251,7 +251,7 @@ TABLE: dict[tuple[int, int], dict] = {
     # end 0.013 lower on average over seeds 1-4 (per seed +0.025 to -0.051: within the noise,
     # fourteenth session). BT = 256 with many sequences too (fourteenth session, same run, with the
     # state pass's prefetch): GPU time 0.789 -> 0.768 (4,4096,40), 1.537 -> 1.431 (8,4096,40).
-    # prefetch_t (sixteenth session, one run): GPU time 0.765 -> 0.751, 1.543 -> 1.512 (1,32768,40),
+    # prefetch_t (sixteenth session, one run): GPU time 0.765 -> 0.751 (4,4096,40), 1.543 -> 1.512 (1,32768,40),
     # 1.427 -> 1.402 (8,4096,40)
     (32, 32): dict(BT=256, BT_FEW=256, BC=16, BZ=64, BV=32, BV_PASS=16,
                    wy_inverse=(1, 1), fwd_prep=(1, 3, 64), state_pass=(4, 3, 16), fwd_out=(1, 3, 32),
