@@ -44,8 +44,9 @@ if [ -n "${COMM_MODE}" ]; then
     NGPU="${NGPU}" LOCAL_RANK=0 python3 -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" \
         "$@" --comm.mode="${COMM_MODE}" --training.steps=1 --checkpoint.no-enable
 else
+    # torchrun itself, minus its failure report after a config error the ranks already named
     PYTORCH_ALLOC_CONF="expandable_segments:True" \
-    torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+    python3 "$(dirname "$0")/scripts/launch.py" --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
         --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
         -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" "$@"
 fi

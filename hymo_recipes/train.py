@@ -36,7 +36,11 @@ def parse_config(args: list[str]):
         config = ConfigManager().parse_args(args)
         check_job_config(config)
     except (FileNotFoundError, tomllib.TOMLDecodeError, ValueError, NotImplementedError) as e:
-        raise SystemExit(f"hymo: invalid job config ({' '.join(args)}): {e}") from None
+        message = f"hymo: invalid job config ({' '.join(args)}): {e}"
+        if os.environ.get("HYMO_CONFIG_ERROR_FILE"):  # set by scripts/launch.py (run_train.sh)
+            with open(os.environ["HYMO_CONFIG_ERROR_FILE"], "a") as f:
+                f.write(message + "\n")
+        raise SystemExit(message) from None
     return config
 
 
