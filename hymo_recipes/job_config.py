@@ -33,7 +33,7 @@ class Hymo:
     inverse T = (I + A)⁻¹ and inside the inverse: ~16 % less kernel time than "tf32" on an
     H200, ~1.5x the bf16 error (kernels/gdn/README.md). "bf16_t" rounds T's dots too (fla's
     choice): another 4-6 % less kernel time, and 200-step runs end level with "bf16" (six
-    seeds, BENCHMARKS.md). "tf32" forces tf32 operands. Values other than "table" need gdn_backend
+    seeds, benchmarks/LOG.md). "tf32" forces tf32 operands. Values other than "table" need gdn_backend
     "triton"."""
     gdn_bwd_path: Literal["table", "local", "local_sub", "split"] = "table"
     """The Triton GDN kernel's backward. "table" keeps the flavor's setting, which leaves the choice

@@ -15,7 +15,7 @@
 # default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
 # logged, no checkpoints. On two GPUs A runs on GPU 0 and B on GPU 1, seed by seed side by side;
 # on one GPU (or CPU) one after the other. A 200-step hymo_small run at seq 2048 took 65-115 s
-# on an H200 (eighth session, BENCHMARKS.md), so four seeds fit one 10-minute call on two GPUs.
+# on an H200 (eighth session, benchmarks/LOG.md), so four seeds fit one 10-minute call on two GPUs.
 #
 # For a bare machine like scripts/gpu_smoke.sh: carry .whl/, data/brown/ and assets/tokenizer/
 # (results under $OUT when set, else outputs/gpu_ab_seeds). PACK=1 leaves two files there,

@@ -44,14 +44,14 @@ class Optimizer:
     normuon_compiled: bool = False
     """Run NorMuon's per-shape elementwise maths under torch.compile (a one-off compile at the
     first step). Alone, 750m on an H200: 15.9 vs 19.6 ms per step eager; in 750m training on
-    one H200 it gained nothing (22.2 vs 20.6 ms; BENCHMARKS.md)."""
+    one H200 it gained nothing (22.2 vs 20.6 ms; benchmarks/LOG.md)."""
 
     adamw_cautious_update: bool = True
     adamw_cautious_wd: bool = True
     adamw_compiled: bool = False
     """Run CautiousAdamW's multi-tensor step under torch.compile: in 750m training on H200s
     33.6 vs ~72 ms per step on 1 GPU, 52.5 vs ~68 ms on 2, for 50-90 s more compile before
-    step 1 (BENCHMARKS.md). Off by default: at the configs' accumulated batch the optimizer
+    step 1 (benchmarks/LOG.md). Off by default: at the configs' accumulated batch the optimizer
     step is under 2 % of a training step."""
 
     embed_weight_decay: float = 0.0

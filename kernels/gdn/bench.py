@@ -512,7 +512,7 @@ def copy_bandwidth():
 
 # K = V = 128 first: it has never been timed, and earlier runs ran out of time before it
 TUNE_SHAPES = [(4, 4096, 16, 128, 128), (4, 4096, 40, 32, 32), (1, 32768, 40, 32, 32), (8, 4096, 40, 32, 32)]
-# fla-core 0.6 fwd+bwd on an H200 with the Hopper guard lifted, 2026-11-29 (BENCHMARKS.md,
+# fla-core 0.6 fwd+bwd on an H200 with the Hopper guard lifted, 2026-11-29 (benchmarks/LOG.md,
 # KERNEL_NOTES.md): printed beside ours when fla is not timed live in the same run
 FLA_NOTES_MS = {(4, 4096, 40, 32, 32): 2.922, (1, 32768, 40, 32, 32): 4.327, (8, 4096, 40, 32, 32): 4.054,
                 (4, 4096, 16, 128, 128): 3.16}
@@ -736,7 +736,7 @@ def kernel_variants(kname, cfg, K, V, warps, stages, nregs=(0,), full_grid=False
     counts at round A's winner (the inverse kernel has no loop, so no stages for it); round C:
     the register caps at round B's winner (none unless --nregs names one). full_grid: round A
     is warps × tile × stages and there is no round B (the best stage count can depend on the
-    warps: twelfth session, BENCHMARKS.md)."""
+    warps: twelfth session, benchmarks/LOG.md)."""
     tiles = tile_choices(kname, K, V) if kname in _TILED else [0]
     loop_stages = [1] if kname in ("wy_inverse", "lh_inverse") else [1] + [s for s in stages if s != 1]
     # round A keeps the kernel's register cap (the large-head kernels' default, see chunk.Config)
@@ -1136,7 +1136,7 @@ def main(argv=None):
         runs = [r for r in runs if r[1] is not None]
         # Rounds, the order reversed every other round, the median per implementation: timed
         # one after the other, whichever ran first measured 8-17 % faster at (4, 4096, 40, 32, 32)
-        # (BENCHMARKS.md). The eager reference (10-300x slower) is timed in the first round only.
+        # (benchmarks/LOG.md). The eager reference (10-300x slower) is timed in the first round only.
         per_round: dict[str, list] = {}
         for rnd in range(args.rounds):
             for name, impl, cfg in runs if rnd % 2 == 0 else runs[::-1]:

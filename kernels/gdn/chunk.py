@@ -49,7 +49,7 @@ class KernelCfg:
     registers per thread (ptxas ``.maxnreg``; 0: the compiler's choice). The K = 32 kernels
     are latency-bound at 1-2 warps per program and hold 235-255 registers per thread, which
     leaves about 8 warps per SM; a cap trades spills for more resident warps. On an H200 every
-    cap measured slower there (eighth session, BENCHMARKS.md), so no TABLE entry sets one. The
+    cap measured slower there (eighth session, benchmarks/LOG.md), so no TABLE entry sets one. The
     large-head kernels' Config defaults do (255), for another reason: see Config."""
 
     num_warps: int = 2
@@ -233,15 +233,15 @@ _UNTUNED = dict(BT=64, BT_FEW=64, BC=16, BZ=64, BV=0, BV_PASS=0,
                 wy_inverse=(1, 1), fwd_prep=(2, 1), state_pass=(4, 1), fwd_out=(2, 1),
                 bwd_prep=(2, 1), bwd_local=(2, 1), bwd_split=False, bwd_dstate=(2, 1), bwd_sub=(2, 1))
 TABLE: dict[tuple[int, int], dict] = {
-    # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (BENCHMARKS.md);
+    # K = V ≤ 32 (HyMo): `bench.py --tune` on an H200, Triton 3.6, 2026-11-29 (benchmarks/LOG.md);
     # the stages of (4,4096,40,32,32), the chunk of its BT sweep (BT=256 won by 3% at B = 8);
     # bf16 dots and the three-pass tf32 inverse: 1.366 -> 1.143 and 1.311 ms fwd+bwd, the same
     # collapsed-keys error for the inverse, and a clean 200-step hymo_small run with bf16 dots
-    # (fifth session, BENCHMARKS.md); the backward launches from the fifth session's retune with
+    # (fifth session, benchmarks/LOG.md); the backward launches from the fifth session's retune with
     # these precisions at (1,32768,40) (three stages): GPU time -3 to -4 % at all three K = 32 shapes
     # (sixth session). t_bf16: fwd+bwd -5 to -6 % at K = 32 (eighth and ninth sessions); 200-step
     # hymo_small runs with and without it end level (final loss mean over seeds 1-4 -0.001, over
-    # those and seeds 42, 7 +0.014 with a per-seed spread of 0.03; ninth session, BENCHMARKS.md).
+    # those and seeds 42, 7 +0.014 with a per-seed spread of 0.03; ninth session, benchmarks/LOG.md).
     # fwd_prep 3 stages (a full warps x stages grid after the γβ pack, twelfth session): the kernel
     # 0.082 -> 0.067 ms, fwd+bwd 0.914 -> 0.897 ms at (4,4096,40,32,32). local_sub_states (thirteenth
     # session, same run): fwd+bwd 0.898 -> 0.854, 1.783 -> 1.702 (1,32768,40), 1.734 -> 1.647 (8,4096,40),
@@ -262,7 +262,7 @@ TABLE: dict[tuple[int, int], dict] = {
     (64, 64): _UNTUNED,
     # K = V = 128: `bench.py --tune` at (4,4096,16,128,128) on an H200 with dot_bf16, 2026-11-29
     # (tf32 dots 9.47 ms -> bf16 dots 6.69 -> these launches 5.55; t_bf16 5.59 -> 5.35 and 5.52 -> 5.38, eighth and ninth sessions;
-    # BENCHMARKS.md); bwd_local (8, 3, 64) from the twelfth session's full grid: fwd+bwd 5.30 -> 5.05 ms
+    # benchmarks/LOG.md); bwd_local (8, 3, 64) from the twelfth session's full grid: fwd+bwd 5.30 -> 5.05 ms
     # (two value blocks: dq/dk/dg/dβ are fp32 partial sums, their sum included); thirteenth session:
     # local_sub_states 5.047 -> 4.548 ms (4 KB of saved state per token and head, 1.07 GB per layer),
     # the partial sums in one kernel -> 4.27, fwd_out / bwd_prep / bwd_sub from `--tune --full-grid`
@@ -888,7 +888,7 @@ gdn_chunk_fwd.register_autograd(_autograd_backward, setup_context=_setup_context
 class _EagerGDN(torch.autograd.Function):
     """The eager path: the custom ops' launches in a plain autograd.Function. Through the custom
     ops a fwd+bwd cost an H200 host 0.3-0.6 ms more at the HyMo shape (two runs of host_probe,
-    BENCHMARKS.md), and the host time was above the kernels' GPU time; torch.compile keeps the
+    benchmarks/LOG.md), and the host time was above the kernels' GPU time; torch.compile keeps the
     custom ops (chunk_gated_delta_rule picks)."""
 
     @staticmethod

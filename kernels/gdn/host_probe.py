@@ -5,7 +5,7 @@
 The GPU is kept busy by a sleep kernel while the calls are issued, so the host never waits on
 it and the time per call is what the host spends (Python, dispatch, autograd, Triton's
 launcher). Beside it the wall time with the GPU free. When the host time of the op exceeds its
-GPU time, an eager benchmark measures the host, not the kernels (BENCHMARKS.md, fifth session).
+GPU time, an eager benchmark measures the host, not the kernels (benchmarks/LOG.md, fifth session).
 20 calls per row: the fifth session's numbers used 50, and there the single-launcher rows
 summed to 0.25 ms against 0.64 ms for the direct _forward + _backward row; whether a deep
 launch queue behind the sleep slows the driver is what fewer calls per row would show.
