@@ -932,7 +932,6 @@ def tune_shape(shape, args, pre, deadline, fla_impl, out):
 
 
 def tune(args, fla_impl, out):
-    global DEVICE
     shapes = [tuple(int(s) for s in a.split(",")) for a in args.shapes] if args.shapes else TUNE_SHAPES
     deadline = Deadline(args.budget_s)
     jobs = args.jobs
