@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         os.unlink(path)
+        os.environ.pop(CONFIG_ERROR_FILE)  # else a later parse_config in this process writes a new file there
     return 0
 
 

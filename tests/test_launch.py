@@ -46,13 +46,15 @@ def test_launch_swallows_torchrun_report_only_after_a_config_error(monkeypatch, 
         with pytest.raises(ChildFailedError):
             launch.main(["--nproc_per_node=2", "-m", "x"])
     assert seen["argv"] == ["--nproc_per_node=2", "-m", "x"]
-    assert not os.path.exists(seen["path"])  # the note file is removed either way
+    assert not os.path.exists(seen["path"])  # the note file is removed either way, and its name
+    assert launch.CONFIG_ERROR_FILE not in os.environ  # with it
 
 
 def test_launch_returns_0_when_torchrun_succeeds(monkeypatch):
     launch = _launch_module()
     monkeypatch.setattr(launch, "torchrun", lambda argv: None)
     assert launch.main([]) == 0
+    assert launch.CONFIG_ERROR_FILE not in os.environ
 
 
 def test_parse_config_notes_its_error_for_the_launcher(tmp_path, monkeypatch):
