@@ -46,7 +46,7 @@ if [ -n "${COMM_MODE}" ]; then
 else
     # torchrun itself, minus its failure report after a config error the ranks already named
     PYTORCH_ALLOC_CONF="expandable_segments:True" \
-    python3 "$(dirname "$0")/scripts/launch.py" --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
-        --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+    python3 "$(dirname "$0")/scripts/launch.py" --nproc_per_node="${NGPU}" \
+        --rdzv_backend c10d --rdzv_endpoint="localhost:0" --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
         -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" "$@"
 fi
