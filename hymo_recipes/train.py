@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 -m hymo_recipes.train --job.config_file train_configs/debug_model.toml
 
-(``run_train.sh`` runs exactly this, as its TRAIN_FILE.) It differs from ``python -m
+(``run_train.sh`` runs this, as its TRAIN_FILE, through ``scripts/launch.py``: torchrun minus
+its failure report after a config error.) It differs from ``python -m
 torchtitan.train`` in four ways: ``hymo_recipes`` is imported before TorchTitan, so the
 TrainSpec is registered and, without an accelerator, the CPU shims are in place
 (``cpu_shims.py``); a config error (unknown key, bad TOML, missing file, or one of the checks in
@@ -37,8 +38,8 @@ def parse_config(args: list[str]):
         check_job_config(config)
     except (FileNotFoundError, tomllib.TOMLDecodeError, ValueError, NotImplementedError) as e:
         message = f"hymo: invalid job config ({' '.join(args)}): {e}"
-        if os.environ.get("HYMO_CONFIG_ERROR_FILE"):  # set by scripts/launch.py (run_train.sh)
-            with open(os.environ["HYMO_CONFIG_ERROR_FILE"], "a") as f:
+        if note := os.environ.get("HYMO_CONFIG_ERROR_FILE"):  # set by scripts/launch.py (run_train.sh)
+            with open(note, "a") as f:
                 f.write(message + "\n")
         raise SystemExit(message) from None
     return config

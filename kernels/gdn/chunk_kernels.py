@@ -34,7 +34,7 @@ For K ≥ 64 there is a second path (``Config.large_head``, ``large_head_kernels
 for large heads; built in the sixth session, timed in the seventh: slower, off in the table.
 
 Measured on an H200 (README.md beside this file, Performance: the current table against
-fla-core 0.6): faster than fla at K = V = 32 (1.8× by GPU time at HyMo's shape), well short of
+fla-core 0.6): faster than fla at K = V = 32 (2.0× by GPU time at HyMo's shape), well short of
 the 8× goal, and 2× slower at K = V = 128. Each sub-chunk is a chain of tiny
 dependent dots, reductions and layout conversions at 1-2 warps per program, so the kernels
 are latency-bound, not bandwidth- or FLOP-bound. README.md lists the next steps.
