@@ -5,9 +5,17 @@
 #   LOG_RANK=0,1 NGPU=8 CONFIG_FILE=train_configs/hymo_750m.toml ./run_train.sh
 #   COMM_MODE=fake_backend ./run_train.sh                   # one process, config and model checks only
 # NGPU is the number of processes: by default one per visible GPU, or 2 CPU processes when
-# there is no GPU (FSDP2 over gloo). Arguments after the script override the TOML
-# (--section.key value).
+# there is no GPU (FSDP2 over gloo). LOG_RANK: the ranks whose output is shown. TRAIN_FILE: the
+# module torchrun runs. Arguments after the script override the TOML (--section.key value);
+# ./run_train.sh --help lists these variables and HyMo's options.
 set -euo pipefail
+
+# --help: the variables above and HyMo's options, without starting anything
+for arg in "$@"; do
+    case "${arg}" in
+        -h|--help) exec python3 "$(dirname "$0")/hymo_recipes/titan/help.py" ;;
+    esac
+done
 
 if [ -z "${NGPU:-}" ]; then
     if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then

@@ -137,6 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ortho-dtype", default="bfloat16",
                     choices=["bfloat16", "float32", "float64"])
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1 or args.steps * args.repeats < 2 or args.warmup < 0:
+        ap.error("--steps and --repeats must be >= 1 with at least 2 timed steps in all (--steps x "
+                 "--repeats), --warmup >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.optimizer == "normuon":

@@ -20,11 +20,14 @@ all-finite line with the largest |output| of a unit, to watch activations grow.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from hymo_recipes._titan import logger
+logger = logging.getLogger(__name__)
+
 
 
 def _tensors(x) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["WSDSchedule", "wsd_factor", "make_wsd_lambda", "build_hymo_lr_schedulers"]
+__all__ = ["WSDSchedule", "wsd_factor", "make_wsd_lambda", "wsd_schedule"]
 
 DECAY_TYPES = ("linear", "cosine", "sqrt")
 
@@ -125,9 +125,9 @@ def make_wsd_lambda(schedule: WSDSchedule):
 
 
 def wsd_schedule(lr_scheduler_config, training_steps: int) -> WSDSchedule:
-    """The WSD schedule a ``[lr_scheduler]`` section asks for (see build_hymo_lr_schedulers);
-    raises ValueError naming the setting to change. Also run before the Trainer starts
-    (preflight.py)."""
+    """The WSD schedule a ``[lr_scheduler]`` section asks for (HyMo's fields:
+    hymo_recipes/titan/job_config.py); raises ValueError naming the setting to change. Run before
+    the Trainer starts (the preflight) and by the lr-scheduler builder."""
     cfg = lr_scheduler_config
     if getattr(cfg, "warmup_steps", None) is not None:
         raise ValueError(
@@ -151,17 +151,3 @@ def wsd_schedule(lr_scheduler_config, training_steps: int) -> WSDSchedule:
         cfg.decay_type,
         cfg.min_lr_factor,
     )
-
-
-def build_hymo_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
-    """TorchTitan's ``build_lr_schedulers_fn``: one WSD LambdaLR per inner optimizer.
-
-    Reads from ``[lr_scheduler]`` (HyMo's fields, hymo_recipes/optim/config.py):
-    ``warmup_fraction``, ``stable_fraction``, ``decay_fraction``, ``decay_type``,
-    ``min_lr_factor``, ``total_steps`` (None: ``training.steps``). The built-in
-    ``warmup_steps`` / ``decay_ratio`` must stay unset: two ways to say one thing.
-    """
-    from hymo_recipes.optim.container import HymoLRSchedulersContainer
-
-    schedule = wsd_schedule(lr_scheduler_config, training_steps)
-    return HymoLRSchedulersContainer(optimizers, make_wsd_lambda(schedule), schedule=schedule)

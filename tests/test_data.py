@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import hymo_recipes  # noqa: F401
-from hymo_recipes.data import build_tokenizer, load_local
+import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shim 1 first)
+from hymo_recipes.data import load_local
+from hymo_recipes.titan.datasets import build_tokenizer
 from hymo_recipes.data.prepare import (
     BOS_TOKEN,
     EOS_TOKEN,

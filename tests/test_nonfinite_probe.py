@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-import hymo_recipes  # noqa: F401
 from hymo_recipes.nonfinite_probe import NonfiniteProbe
 
 

@@ -1,5 +1,9 @@
 """HyMo model arguments: one dataclass, every field defaulted (the defaults are the 750m model).
 
+It is what TorchTitan's Trainer takes as a flavor's model args: a dataclass (the Trainer logs
+``dataclasses.asdict`` of it) with ``update_from_config(job_config)`` and
+``get_nparams_and_flops(model, seq_len)``.
+
 The MoE fields are HyMo's own rather than TorchTitan's ``MoEArgs``: HyMo's router (softmax
 top-k with a selection-only bias moved by an EMA band rule, capacity-factor dropping) has
 knobs ``MoEArgs`` lacks, and ``MoEArgs`` carries choices HyMo does not implement (sigmoid
@@ -8,20 +12,15 @@ scores, group-limited routing, TorchTitan's sign-rule bias update).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-
-import torch
 
 from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS
 
-from .._titan import BaseModelArgs, HuggingFaceTokenizer, JobConfig, logger
-
 
 @dataclass
-class HymoModelArgs(BaseModelArgs):
+class HymoModelArgs:
     # Shape
-    vocab_size: int = 64_256  # update_from_config replaces it with the tokenizer's size
+    vocab_size: int = 64_256  # a run takes the tokenizer's ([hymo] vocab_size, set by the preflight)
     dim: int = 896
     n_layers: int = 32
     norm_eps: float = 1e-6
@@ -43,8 +42,11 @@ class HymoModelArgs(BaseModelArgs):
     # Config.t_bf16); the triton backend only
     gdn_dot_precision: str = "table"
     # the Triton kernel's backward: "table" (its launch table's choice), "local" (saves the chunk
-    # start states only: the least memory), "local_sub" or "split" (hymo_kernels.gdn GDN_BWD_PATHS)
+    # start states only: the least memory) or "local_sub" (hymo_kernels.gdn GDN_BWD_PATHS)
     gdn_bwd_path: str = "table"
+    # with the Triton backend: the conv, SiLU, q/k norm and gated output norm fused around the
+    # kernel (hymo_kernels.gdn.mixer), which keeps far fewer activations; False runs them in PyTorch
+    gdn_fused_mixer: bool = True
     gdn_A_init_range: tuple[float, float] = (0.0, 16.0)  # A ~ U(lo, hi), A_log = log A
     gdn_dt_min: float = 1e-3  # dt ~ logU(dt_min, dt_max), dt_bias = softplus⁻¹(dt)
     gdn_dt_max: float = 0.1
@@ -159,12 +161,15 @@ class HymoModelArgs(BaseModelArgs):
         if self.mtp_depth > 0 and self.mtp_inter_dim <= 0:
             raise ValueError(f"mtp_inter_dim must be positive, got {self.mtp_inter_dim}")
 
-    def update_from_config(self, job_config: JobConfig, tokenizer=None, *, log: bool = True, **kwargs) -> None:
-        """Takes seq_len from [training] and vocab_size from the tokenizer.
+    def update_from_config(self, job_config, **kwargs) -> None:
+        """TorchTitan's config hook (the Trainer calls it on the flavor before building the model).
 
-        TorchTitan 0.2.2 calls this without a tokenizer, so unless one is passed the tokenizer
-        is loaded from ``model.hf_assets_path`` the same way the trainer loads it. ``log=False``
-        (the preflight check, on a copy) leaves the max_seq_len change for the Trainer's call to log.
+        Takes the longest sequence run (``training.seq_len``, ``validation.seq_len``) as
+        ``max_seq_len`` and applies the ``[hymo]`` knobs that name model fields (``vocab_size``,
+        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``; "flavor" or 0 keeps the
+        flavor's), then validates. A pure function of the config: it reads no file and probes no
+        device. The tokenizer's vocabulary and whether the machine can run the backend are
+        settled before the Trainer starts (``hymo_recipes.titan.preflight``).
         """
         lengths = {"training.seq_len": job_config.training.seq_len}
         if job_config.validation.enable:
@@ -173,37 +178,18 @@ class HymoModelArgs(BaseModelArgs):
             if n <= self.mtp_depth:
                 raise ValueError(f"{name} = {n} leaves no target for MTP head {self.mtp_depth} (mtp_depth = "
                                  f"{self.mtp_depth} needs sequences of at least {self.mtp_depth + 1} tokens)")
-        seq_len = max(lengths.values())  # the RoPE table must reach the longest sequence run
-        if seq_len != self.max_seq_len and log:
-            logger.info(f"HyMo: max_seq_len {self.max_seq_len} -> {seq_len} ({' and '.join(lengths)})")
-        self.max_seq_len = seq_len
+        self.max_seq_len = max(lengths.values())  # the RoPE table must reach the longest sequence run
 
-        hymo = getattr(job_config, "hymo", None)  # present when [job] custom_config_module is set
-        if hymo is not None and hymo.gdn_backend != "flavor":
-            self.gdn_backend = hymo.gdn_backend
-        if hymo is not None and hymo.gdn_dot_precision != "table":
-            self.gdn_dot_precision = hymo.gdn_dot_precision
-        if hymo is not None and hymo.gdn_bwd_path != "table":
-            self.gdn_bwd_path = hymo.gdn_bwd_path
-
-        if self.gdn_backend == "triton":
-            from hymo_kernels.gdn.chunk import unavailable
-
-            if why := unavailable("cuda" if torch.cuda.is_available() else "cpu"):
-                raise ValueError(f'gdn_backend "triton" {why}. Without a GPU use --hymo.gdn_backend torch_chunk '
-                                 "(and --compile.no-enable: that backend is not compiled)")
+        hymo = getattr(job_config, "hymo", None)  # present with HyMo's job config (hymo_recipes.titan.job_config)
+        if hymo is not None:
+            if hymo.vocab_size:
+                self.vocab_size = hymo.vocab_size
+            for name in ("gdn_backend", "gdn_dot_precision", "gdn_bwd_path"):
+                if getattr(hymo, name) != "flavor":
+                    setattr(self, name, getattr(hymo, name))
 
         if job_config.parallelism.context_parallel_degree > 1:
             raise NotImplementedError("context parallelism is not supported: the GDN recurrence spans the sequence")
-
-        if tokenizer is None:
-            path = job_config.model.hf_assets_path
-            if os.path.isdir(path):
-                tokenizer = HuggingFaceTokenizer(path)
-            else:
-                logger.warning(f"HyMo: no tokenizer directory {path!r}; keeping vocab_size {self.vocab_size}")
-        if tokenizer is not None:
-            self.vocab_size = tokenizer.get_vocab_size()
         self.validate()
 
     def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
@@ -211,10 +197,6 @@ class HymoModelArgs(BaseModelArgs):
         from .counts import count_params, training_flops_per_token
 
         counts = count_params(model, self)
-        logger.info(
-            f"HyMo parameters: stored {counts.stored:,}, active per token {counts.active:,} "
-            f"(embedding {counts.embedding:,}, routed experts {counts.routed_experts:,}, MTP {counts.mtp:,})"
-        )
         return counts.stored, training_flops_per_token(self, counts, seq_len)
 
 
@@ -246,11 +228,10 @@ hymo_flavors: dict[str, HymoModelArgs] = {
         moe_num_shared_experts=1,
         moe_top_k=2,
         moe_inter_dim=256,
-        # Balancing that acts within the 60-step debug run. With the 750m's 0.001 per step
-        # (made for ~57 K steps; here the bias moves 0.06 at most) and its ~50-step load EMA,
-        # the debug run (2 CPU processes, 60 steps) had one expert at ~3x the mean load and
-        # 39-43% of routed assignments dropped over steps 21-60. Speed 0.01 with a ~10-step
-        # EMA (alpha 0.1): 8-13%; speed 0.02 overshoots (single runs each, README).
+        # Balancing that acts within the 60-step debug run: the 750m's 0.001 per step is made
+        # for tens of thousands of steps and would leave one expert far over the mean load and
+        # many assignments dropped here; a faster bias step with a ~10-step load EMA balances
+        # within the run (the MoE ranges: README).
         moe_bias_update_speed=0.01,
         moe_load_ema_alpha=0.1,
         mtp_depth=2,

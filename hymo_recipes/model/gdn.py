@@ -16,40 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hymo_kernels.gdn import GDN_DOT_PRECISIONS, get_backend
+from hymo_kernels.gdn.mixer_torch import gated_rms_norm, l2_normalize, short_causal_conv
 
-from .._titan import trunc_normal_
+try:  # the fused ops need Triton; only the Triton backend uses them
+    from hymo_kernels.gdn.mixer import conv_gated_delta_rule, gated_norm_linear
+except ImportError:  # the Triton backend then fails at get_backend with its own message
+    conv_gated_delta_rule = gated_norm_linear = None
+
+from .init import trunc_normal_
 from .args import HymoModelArgs
-
-
-def short_causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal conv over time, not reaching across document starts.
-
-    Args:
-        x: [B, T, C] input.
-        weight: [C, 1, W] depthwise kernel; weight[..., W-1] multiplies the current token
-            (the layout of a left-padded nn.Conv1d and of fla's ShortConvolution).
-        positions: [T] position of each token inside its document for packed batches
-            (tap j is used only where positions >= j); None when every row is one sequence.
-
-    Returns:
-        [B, T, C] in x's dtype.
-    """
-    T, W = x.shape[1], weight.shape[-1]
-    w = weight[:, 0, :].to(x.dtype)  # [C, W]
-    out = x * w[:, W - 1]
-    for j in range(1, min(W, T + 1)):
-        # x[t - j], zero before the start of the row
-        shifted = F.pad(x[:, : T - j], (0, 0, j, 0))
-        if positions is not None:
-            shifted = shifted * (positions >= j).to(x.dtype)[None, :, None]
-        out = out + shifted * w[:, W - 1 - j]
-    return out
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σx² + eps) over the last dim, computed in fp32 (fla's l2norm)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -61,9 +36,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * F.silu(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -106,6 +79,8 @@ class GatedDeltaNet(nn.Module):
         self._rule_kwargs = dict(GDN_DOT_PRECISIONS[args.gdn_dot_precision])
         if args.gdn_bwd_path != "table":
             self._rule_kwargs["bwd_path"] = args.gdn_bwd_path
+        # fused Triton ops around the kernel (hymo_kernels.gdn.mixer): the Triton backend's path
+        self.fused = args.gdn_backend == "triton" and args.gdn_fused_mixer
         self.A_init_range = args.gdn_A_init_range
         self.dt_init = (args.gdn_dt_min, args.gdn_dt_max, args.gdn_dt_init_floor)
 
@@ -117,6 +92,16 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; cu_seqlens [N+1] and positions [T] for packed rows (B = 1)."""
         B, T, _ = x.shape
+        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        if self.fused:
+            # the Triton backend: conv, SiLU, the q/k L2 norm and the recurrence in one op that
+            # keeps only the projections for its backward; gated norm and o_proj in another
+            o = conv_gated_delta_rule(
+                self.q_proj(x), self.k_proj(x), self.v_proj(x), self.q_conv1d.weight[:, 0],
+                self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0], g, beta, head_k=self.head_dim,
+                head_v=self.v_head_dim, cu_seqlens=cu_seqlens, positions=positions, **self._rule_kwargs)
+            return gated_norm_linear(o, self.g_proj(x), self.o_norm.weight, self.o_proj.weight, self.o_norm.eps)
         q = F.silu(short_causal_conv(self.q_proj(x), self.q_conv1d.weight, positions))
         k = F.silu(short_causal_conv(self.k_proj(x), self.k_conv1d.weight, positions))
         v = F.silu(short_causal_conv(self.v_proj(x), self.v_conv1d.weight, positions))
@@ -124,8 +109,6 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(q.view(B, T, -1, self.head_dim))
         k = l2_normalize(k.view(B, T, -1, self.head_dim))
         v = v.view(B, T, -1, self.v_head_dim)
-        beta = torch.sigmoid(self.b_proj(x).float()).to(q.dtype)
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
 
         o, _ = self._rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, **self._rule_kwargs)
         gate = self.g_proj(x).view(B, T, -1, self.v_head_dim)

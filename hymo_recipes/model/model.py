@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._titan import ModelProtocol
 from .args import HymoModelArgs
 from .gdn import GatedDeltaNet
 from .mla import MLA, precompute_rope_cache
@@ -102,19 +101,21 @@ class MLABlock(nn.Module):
         self.moe.init_weights(self.init_std, out_std, buffer_device)
 
 
-class HymoModel(ModelProtocol):
+class HymoModel(nn.Module):
     """Hybrid GDN / MLA-MoE language model.
 
     ``forward(tokens)`` returns ``(logits, mtp_logits)``: logits [B, T, V] and a list of
     mtp_depth tensors [B, T, V] (empty if mtp_depth = 0), see mtp.py for their alignment.
     The output head is the embedding matrix (tied); there is no separate output weight.
+    A plain ``nn.Module``: TorchTitan's Trainer needs ``HymoModel(args)`` (built on the meta
+    device), ``init_weights(buffer_device=)`` and ``forward``, and iterates ``layers``.
 
     Args:
         model_args: a validated HymoModelArgs.
     """
 
     def __init__(self, model_args: HymoModelArgs):
-        super().__init__(model_args)
+        super().__init__()
         self.model_args = model_args
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._titan import indices_padding_wrapper, run_experts_grouped_mm, trunc_normal_
 from .args import HymoModelArgs
+from .grouped_mm import grouped_swiglu
+from .init import trunc_normal_
 
 
 class FeedForward(nn.Module):
@@ -69,7 +70,7 @@ class GroupedExperts(nn.Module):
     Args:
         dim, hidden_dim, num_experts: shapes.
         use_grouped_mm: one torch._grouped_mm per projection when on CUDA in bf16
-            (TorchTitan's kernel, which needs SM90); otherwise a loop over experts.
+            (grouped_mm.py; needs SM90); otherwise a loop over experts.
         mixed_precision: matmuls in the expert weights' dtype (DESIGN.md ``moe_mixed_precision``);
             False runs them in the wider of the activation and weight dtypes.
     """
@@ -88,8 +89,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = self.w1, self.w2, self.w3
         dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
         if self.use_grouped_mm and x.is_cuda and dtype == torch.bfloat16:
-            out = indices_padding_wrapper(run_experts_grouped_mm)(w1, w2, w3, x, num_tokens_per_expert)
-            return out.to(x.dtype)
+            return grouped_swiglu(w1, w2, w3, x, num_tokens_per_expert).to(x.dtype)
         return self._loop(x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert).to(x.dtype)
 
     @staticmethod

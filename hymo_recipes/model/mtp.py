@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._titan import trunc_normal_
+from .init import trunc_normal_
 
 
 class MTPHead(nn.Module):

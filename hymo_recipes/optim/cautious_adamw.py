@@ -16,7 +16,7 @@ Speed: the step is written with ``torch._foreach_*`` ops over all tensors of a g
 dispatch per op, not per tensor). Eager it makes ~23 passes over the tensors against AdamW's ~8
 and is 2.5-5x slower than AdamW(foreach=True) on CPU. ``compiled=True`` runs the same function
 under torch.compile (fullgraph), which fuses the passes into a few kernels and is faster than
-AdamW(foreach=True) (benchmarks/LOG.md). lr, weight decay and the bias corrections enter the
+AdamW(foreach=True) (BENCHMARKS.md). lr, weight decay and the bias corrections enter the
 compiled function as 0-d tensors, so a scheduled lr does not trigger recompiles; each param
 group compiles once (dynamo allows 8 graphs per function: HyMo's table makes at most 5
 CautiousAdamW groups per model part).
@@ -76,9 +76,8 @@ def _moments(
 # Inductor's loop reordering after fusion asserts when foreach ops are fused with per-tensor
 # reductions over tensors of different shapes on CUDA (pytorch/pytorch#176591, open in 2026):
 # the cautious mask counts above are such reductions. The pass only reorders loops, so it is
-# turned off for these graphs alone. (Seen as an InductorError AssertionError before step 1
-# of the 750m on an H200, torch 2.11, with adamw_compiled; with this option the 750m trains on
-# 1 and 2 H200s, benchmarks/LOG.md.)
+# turned off for these graphs alone (without it, adamw_compiled fails with an InductorError
+# AssertionError before step 1 of the 750m on CUDA with torch 2.11).
 _COMPILE_OPTIONS = {"loop_ordering_after_fusion": False}
 
 

@@ -441,8 +441,7 @@ class _Batch:
 
         One piece on GPUs. On CPU, pieces of about _CPU_CHUNK_ELEMS elements: glibc maps
         allocations above 32 MiB fresh from the kernel, so batch-sized temporaries cost page
-        faults worth several times the arithmetic (measured 1.5 s per step at 750m), while
-        small ones are recycled. Whole members only; the numbers do not depend on the split.
+        faults worth several times the arithmetic, while small ones are recycled. Whole members only; the numbers do not depend on the split.
         """
         n = len(self.idxs)
         if device.type != "cpu":
@@ -515,8 +514,8 @@ def _apply_update(
     given), then the cautious decoupled decay and the scaled update. O is overwritten.
 
     O and W are stacked copies the caller owns, so the maths runs in place on them and on
-    one scratch tensor: on CPU every fresh [B, m, k] tensor costs page faults (4x the time of
-    the arithmetic, measured), on GPU an allocation and a pass; under torch.compile the
+    one scratch tensor: on CPU every fresh [B, m, k] tensor costs page faults (several times
+    the arithmetic), on GPU an allocation and a pass; under torch.compile the
     mutations fuse into a few kernels that write W.
     """
     U = O

@@ -6,7 +6,8 @@ and returns ``(o, final_state)``:
 
 - ``"naive"``: per-token recurrence in PyTorch (``naive.py``), the ground truth for tests.
 - ``"torch_chunk"``: the chunked (WY) algorithm in plain PyTorch (``chunk_torch.py``), fp32 math.
-- ``"triton"``: the chunked Triton kernel with a hand-written backward (``chunk.py``).
+- ``"triton"``: the chunked Triton kernel with a hand-written backward (``chunk.py``, the op;
+  the stages beside it; DESIGN.md).
 
 There is no silent fallback: asking for ``"triton"`` where it cannot run raises.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 
+from .config import BWD_PATHS
 from .naive import naive_recurrent_gated_delta_rule
 
 # backend name -> (module, function); modules import lazily so the CPU path never needs Triton.
@@ -34,8 +36,8 @@ GDN_DOT_PRECISIONS = {
 }
 
 # gdn_bwd_path (model arg, [hymo] knob): "table" (the launch table's choice) or the Triton op's
-# bwd_path, chunk.BWD_PATHS (a test checks they agree; chunk.py imports Triton, this module must not)
-GDN_BWD_PATHS = ("table", "local", "local_sub", "split")
+# bwd_path, config.BWD_PATHS (config.py imports no Triton, like this module)
+GDN_BWD_PATHS = ("table", *BWD_PATHS)
 
 
 def get_backend(name: str):

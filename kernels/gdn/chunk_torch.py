@@ -3,7 +3,7 @@
 Same contract as ``naive.py`` and flash-linear-attention's ``chunk_gated_delta_rule``; the math
 runs in float32 (float64 for float64 inputs) whatever the input dtype. Instead of T sequential
 rank-1 updates it does T / C sequential state updates with C×C matmuls in between (C = 64), as
-the Triton kernel does, so the two can be compared block by block. Per chunk (KERNEL_NOTES.md),
+the Triton kernel does, so the two can be compared block by block. Per chunk (DESIGN.md, Forward),
 with γ the in-chunk inclusive cumsum of g and Γ[r, i] = exp(γ_r − γ_i)::
 
     T     = (I + strictly_lower(diag(β) (K Kᵀ ⊙ Γ)))⁻¹
@@ -16,10 +16,9 @@ Ragged inputs (T not a multiple of C, or packed documents) are padded with token
 k = v = 0, β = 0 and g = 0: such a token neither writes to nor decays the state, so padding
 changes nothing and every document runs as one row of a padded batch.
 
-The backward is hand-written (``_chunk_rows_backward``: kernels/gdn/README.md's "Backward"
-with the sub-chunk c = C) and split the way a large-head kernel path would split it (README,
-next step 5): a reverse pass over the chunk ends' state gradients that carries one K×V tile,
-then every chunk's input gradients in parallel. The reference tests check it against the
+The backward is hand-written (``_chunk_rows_backward``: DESIGN.md's "Backward" with the
+sub-chunk c = C): a reverse pass over the chunk ends' state gradients that carries one K×V
+tile, then every chunk's input gradients in parallel. The reference tests check it against the
 float64 recurrence.
 """
 
@@ -103,7 +102,7 @@ def chunk_gated_delta_rule_torch(
 
 
 class _Chunks:
-    """Per-chunk tensors of the algebra on [N, L, H, *] rows, as [N, H, nc, C, *] (README,
+    """Per-chunk tensors of the algebra on [N, L, H, *] rows, as [N, H, nc, C, *] (DESIGN.md,
     "Forward", with the sub-chunk c = C): everything that does not depend on the state."""
 
     def __init__(self, q, k, v, g, beta, scale, C):
@@ -165,11 +164,11 @@ def _transpose(x):
 
 
 def _chunk_rows_backward(ch: _Chunks, scale, starts, do, dht):
-    """Hand-written backward of _chunk_rows (README, "Backward", with the sub-chunk c = C):
+    """Hand-written backward of _chunk_rows (DESIGN.md, "Backward", with the sub-chunk c = C):
     gradients of q, k, v, g, beta and the initial state from those of o and the final state.
-    In the order a large-head kernel path would split it: the state-free chunk tensors (in
-    parallel), the reverse pass over the chunk ends' state gradients dS' (sequential, carries
-    one K×V tile), then every chunk's input gradients from its S and dS' (in parallel)."""
+    In three steps: the state-free chunk tensors (in parallel), the reverse pass over the chunk
+    ends' state gradients dS' (sequential, carries one K×V tile), then every chunk's input
+    gradients from its S and dS' (in parallel)."""
     nc, C = ch.gam.shape[2:]
     do = do.reshape(do.shape[0], nc, C, do.shape[2], -1).permute(0, 3, 1, 2, 4)
     s = starts  # [N, H, nc, K, V]

@@ -13,8 +13,8 @@ kernel, the program id, the access and the nearest tensor argument.
 
 This is the CPU half of locating a GPU fault: an access outside its tensor that does not
 depend on warps or layouts shows up here, in every tiling the interpreter tests run; one that
-shows up only in compiled code is the compiler's (``fault_probe --sanitizer memcheck`` is the
-GPU half).
+shows up only in compiled code is the compiler's (compute-sanitizer's memcheck is the GPU half).
+The CPU tests turn it on for every test (tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_two_process_stop_and_resume_is_bitwise(reference_run, tmp_path):
     Then the same step-2 checkpoint resumed by ONE process (same global batch: 2 microbatches
     of 4), next to a half-written step-3 folder that must be ignored: model and optimizer state
     reshard, the lr schedule continues, and the data position takes the documented fallback
-    (hymo_recipes/data/dataloader.py) with a warning."""
+    (hymo_recipes/titan/dataloader.py) with a warning."""
     full, full_scalars = reference_run
     stopped, shrunk = tmp_path / "stopped", tmp_path / "shrunk"
     run_train(stopped, 2, *TWO_PROCESS, "--training.steps", "2")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hymo_kernels.gdn import chunk as gdn_chunk
+from hymo_kernels.gdn import config as gdn_config
 
 
 @pytest.fixture
@@ -24,8 +24,18 @@ def nan_poison(monkeypatch):
 
 @pytest.fixture
 def tuning():
-    """chunk.TUNING for one test (a kernel tiling per (K, V)), restored afterwards."""
-    saved = dict(gdn_chunk.TUNING)
-    yield gdn_chunk.TUNING
-    gdn_chunk.TUNING.clear()
-    gdn_chunk.TUNING.update(saved)
+    """config.TUNING for one test (a kernel tiling per (K, V)), restored afterwards."""
+    saved = dict(gdn_config.TUNING)
+    yield gdn_config.TUNING
+    gdn_config.TUNING.clear()
+    gdn_config.TUNING.update(saved)
+
+
+@pytest.fixture(params=list(gdn_config.BWD_PATHS))
+def bwd_path(request, monkeypatch):
+    """Runs a test with each backward path: every TABLE entry gets its Config fields (a test
+    that sets config.TUNING itself applies the returned fields to its Config)."""
+    fields = gdn_config.BWD_PATHS[request.param]
+    for key, entry in list(gdn_config.TABLE.items()):
+        monkeypatch.setitem(gdn_config.TABLE, key, dict(entry, **fields))
+    return fields

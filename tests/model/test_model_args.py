@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
+from types import SimpleNamespace
 
 import pytest
 
-from hymo_recipes._titan import JobConfig
 from hymo_recipes.model import HymoModelArgs, hymo_flavors
 
 BAD = [
@@ -69,95 +68,103 @@ def test_750m_flavor_has_the_design_numbers():
     assert (a.mtp_depth, a.mtp_loss_weights, a.mtp_inter_dim) == (2, (0.3, 0.1), 2304)
 
 
-def _job_config(seq_len: int, assets: str, cp: int = 1) -> JobConfig:
-    jc = JobConfig()
-    jc.training.seq_len = seq_len
-    jc.model.hf_assets_path = assets
-    jc.parallelism.context_parallel_degree = cp
-    return jc
-
-
-def test_update_from_config_takes_seq_len_and_tokenizer_vocab(tmp_path):
-    from tokenizers import Tokenizer, models
-
-    vocab = {f"w{i}": i for i in range(300)}
-    vocab["[UNK]"] = 300
-    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
-
-    args = dataclasses.replace(hymo_flavors["debugmodel"])
-    args.update_from_config(_job_config(1024, str(tmp_path)))
-    assert args.max_seq_len == 1024
-    assert args.vocab_size == 301
-    assert hymo_flavors["debugmodel"].vocab_size == 2048  # the flavor table is untouched by the copy
-
-
-def test_update_from_config_logs_the_seq_len_change_unless_told_not_to(tmp_path, caplog):
-    # the preflight check runs it on a copy with log=False, so a launch logs the change once
-    caplog.set_level(logging.INFO)
-    jc = _job_config(128, str(tmp_path / "missing"))
-    dataclasses.replace(hymo_flavors["debugmodel"]).update_from_config(jc, log=False)
-    assert "max_seq_len" not in caplog.text
-    dataclasses.replace(hymo_flavors["debugmodel"]).update_from_config(jc)
-    assert caplog.text.count("max_seq_len 512 -> 128") == 1
-
-
-def test_update_from_config_without_tokenizer_keeps_vocab_and_rejects_cp(tmp_path):
-    args = dataclasses.replace(hymo_flavors["debugmodel"])
-    args.update_from_config(_job_config(128, str(tmp_path / "missing")))
-    assert (args.max_seq_len, args.vocab_size) == (128, 2048)
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        args.update_from_config(_job_config(128, str(tmp_path / "missing"), cp=2))
-
-
 def _hymo(**knobs):
-    """A [hymo] section with the defaults ("flavor" backend, "table" precision and backward) except knobs."""
-    from types import SimpleNamespace
+    """A [hymo] section: every knob "flavor" (vocab_size 0: the flavor's), except ``knobs``."""
+    return SimpleNamespace(**{"vocab_size": 0, "gdn_backend": "flavor", "gdn_dot_precision": "flavor",
+                              "gdn_bwd_path": "flavor", **knobs})
 
-    return SimpleNamespace(**{"gdn_backend": "flavor", "gdn_dot_precision": "table", "gdn_bwd_path": "table", **knobs})
+
+def _job_config(seq_len: int, cp: int = 1, validation_seq_len: int | None = None, assets: str = "",
+                **knobs) -> SimpleNamespace:
+    """What update_from_config reads of a job config: TorchTitan's sections are not needed."""
+    return SimpleNamespace(
+        training=SimpleNamespace(seq_len=seq_len),
+        validation=SimpleNamespace(enable=validation_seq_len is not None, seq_len=validation_seq_len),
+        parallelism=SimpleNamespace(context_parallel_degree=cp),
+        model=SimpleNamespace(hf_assets_path=assets),
+        hymo=_hymo(**knobs),
+    )
 
 
-def test_update_from_config_applies_the_hymo_gdn_backend_knob(tmp_path):
-    jc = _job_config(128, str(tmp_path / "missing"))
+def test_update_from_config_takes_the_longest_seq_len_and_the_hymo_vocab_size():
     args = dataclasses.replace(hymo_flavors["debugmodel"])
-    jc.hymo = _hymo()
-    args.update_from_config(jc)
+    args.update_from_config(_job_config(1024, validation_seq_len=2048, vocab_size=301))
+    assert (args.max_seq_len, args.vocab_size) == (2048, 301)
+    assert hymo_flavors["debugmodel"].vocab_size == 2048  # the flavor table is untouched by the copy
+    args.update_from_config(_job_config(128))  # vocab_size 0 keeps what the args have
+    assert (args.max_seq_len, args.vocab_size) == (128, 301)
+
+
+def test_update_from_config_reads_no_file_and_probes_no_device(tmp_path, monkeypatch):
+    """A pure config hook: with a tokenizer in hf_assets_path and every way to open a file or
+    ask torch about devices made to fail, it still applies the config (the preflight reads the
+    tokenizer and probes the machine)."""
+    import builtins
+    import io
+    import os
+
+    import torch
+
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {}}}))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("update_from_config touched a file or a device")
+
+    for module, name in ((builtins, "open"), (io, "open"), (os, "open"), (os, "listdir"), (os, "stat"),
+                         (torch.cuda, "is_available"), (torch.accelerator, "is_available")):
+        monkeypatch.setattr(module, name, refuse)
+    args = dataclasses.replace(hymo_flavors["750m"])
+    args.update_from_config(_job_config(256, assets=str(tmp_path), gdn_backend="triton", gdn_bwd_path="local"))
+    monkeypatch.undo()
+    assert (args.max_seq_len, args.vocab_size, args.gdn_backend, args.gdn_bwd_path) == (256, 64_256, "triton", "local")
+
+
+def test_update_from_config_rejects_short_sequences_and_context_parallelism():
+    args = dataclasses.replace(hymo_flavors["debugmodel"])
+    with pytest.raises(ValueError, match="training.seq_len = 2 leaves no target for MTP head 2"):
+        args.update_from_config(_job_config(2))
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        args.update_from_config(_job_config(128, cp=2))
+
+
+def test_update_from_config_applies_the_hymo_gdn_backend_knob():
+    args = dataclasses.replace(hymo_flavors["debugmodel"])
+    args.update_from_config(_job_config(128))
     assert args.gdn_backend == hymo_flavors["debugmodel"].gdn_backend
-    jc.hymo = _hymo(gdn_backend="naive")
-    args.update_from_config(jc)
+    args.update_from_config(_job_config(128, gdn_backend="naive"))
     assert args.gdn_backend == "naive"
-    jc.hymo = _hymo(gdn_backend="bogus")
     with pytest.raises(ValueError, match="unknown gdn_backend 'bogus'"):
-        args.update_from_config(jc)
+        args.update_from_config(_job_config(128, gdn_backend="bogus"))
 
 
 @pytest.mark.parametrize("knob, value, refusal", [
     ("gdn_dot_precision", "bf16", "sets the Triton kernel's dots"),
     ("gdn_bwd_path", "local", "picks the Triton kernel's backward"),
 ])
-def test_update_from_config_applies_the_hymo_kernel_knobs(tmp_path, knob, value, refusal):
-    jc = _job_config(128, str(tmp_path / "missing"))
+def test_update_from_config_applies_the_hymo_kernel_knobs(knob, value, refusal):
     args = dataclasses.replace(hymo_flavors["750m"])
-    jc.hymo = _hymo()
-    args.update_from_config(jc)
+    args.update_from_config(_job_config(128))
     assert getattr(args, knob) == "table"
-    jc.hymo = _hymo(**{knob: value})
-    args.update_from_config(jc)
+    args.update_from_config(_job_config(128, **{knob: value}))
     assert getattr(args, knob) == value
     # a CPU backend with a kernel setting is refused before anything is built
-    jc.hymo = _hymo(gdn_backend="torch_chunk", **{knob: value})
     with pytest.raises(ValueError, match=refusal):
-        args.update_from_config(jc)
+        args.update_from_config(_job_config(128, gdn_backend="torch_chunk", **{knob: value}))
 
 
-def test_hymo_knob_choices_match_the_kernel_tables():
-    """The [hymo] knobs' choices are the kernel package's tables (plus "flavor" for the backend)."""
-    import typing
+@pytest.mark.parametrize("knob, table", [("gdn_backend", "BACKENDS"), ("gdn_dot_precision", "GDN_DOT_PRECISIONS"),
+                                         ("gdn_bwd_path", "GDN_BWD_PATHS")])
+def test_each_hymo_knob_takes_exactly_the_kernel_packages_values(knob, table):
+    """One name and one set of values per knob, from the TOML to the kernel: every value of the
+    kernel package's table passes, anything else ("split" included) is
+    refused naming the choices."""
+    import hymo_kernels.gdn as gdn
 
-    from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS
-    from hymo_recipes.job_config import Hymo
-
-    hints = typing.get_type_hints(Hymo)
-    assert set(typing.get_args(hints["gdn_dot_precision"])) == set(GDN_DOT_PRECISIONS)
-    assert set(typing.get_args(hints["gdn_bwd_path"])) == set(GDN_BWD_PATHS)
-    assert set(typing.get_args(hints["gdn_backend"])) == set(BACKENDS) | {"flavor"}
+    for value in getattr(gdn, table):
+        args = dataclasses.replace(hymo_flavors["750m"])
+        args.update_from_config(_job_config(128, **{"gdn_backend": "triton", knob: value}))
+        assert getattr(args, knob) == value
+    for value in ("split", "fast"):
+        with pytest.raises(ValueError, match=f"unknown {knob} '{value}'; choose one of"):
+            dataclasses.replace(hymo_flavors["750m"]).update_from_config(
+                _job_config(128, **{"gdn_backend": "triton", knob: value}))

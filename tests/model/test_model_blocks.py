@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hymo_kernels.gdn.naive import naive_recurrent_gated_delta_rule
+from hymo_recipes.model import gdn as gdn_module
 from hymo_recipes.model.gdn import GatedDeltaNet, short_causal_conv
 from hymo_recipes.model.mla import MLA, apply_rope, document_causal_mask, precompute_rope_cache
 from hymo_recipes.model.model import GDNBlock, MLABlock, positions_in_documents
@@ -73,12 +74,13 @@ def test_mla_moe_block_is_causal(tiny_args, use_rope, capacity_factor):
     ("gdn_dot_precision", "bf16_t", {"dot_bf16": True, "t_bf16": True}),
     ("gdn_dot_precision", "tf32", {"dot_bf16": False}),
     ("gdn_bwd_path", "table", {}), ("gdn_bwd_path", "local", {"bwd_path": "local"}),
-    ("gdn_bwd_path", "local_sub", {"bwd_path": "local_sub"}), ("gdn_bwd_path", "split", {"bwd_path": "split"}),
+    ("gdn_bwd_path", "local_sub", {"bwd_path": "local_sub"}),
 ])
-def test_gdn_kernel_knobs_reach_the_kernel_call(tiny_args, monkeypatch, knob, value, kwargs):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_gdn_kernel_knobs_reach_the_kernel_call(tiny_args, monkeypatch, knob, value, kwargs, fused):
     """gdn_dot_precision becomes the Triton op's dot_bf16 / t_bf16 arguments, gdn_bwd_path its
-    bwd_path ("table": none passed)."""
-    layer = GatedDeltaNet(tiny_args(gdn_backend="triton", **{knob: value}))
+    bwd_path ("table": none passed), on the fused path (hymo_kernels.gdn.mixer) and without it."""
+    layer = GatedDeltaNet(tiny_args(gdn_backend="triton", gdn_fused_mixer=fused, **{knob: value}))
     layer.init_weights(0.02, 0.01)
     seen = []
 
@@ -86,7 +88,14 @@ def test_gdn_kernel_knobs_reach_the_kernel_call(tiny_args, monkeypatch, knob, va
         seen.append(kw)
         return naive_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=kw.get("cu_seqlens"))
 
-    monkeypatch.setattr(layer, "_rule", spy)
+    def fused_spy(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k, head_v, positions, **kw):
+        seen.append(kw)
+        return torch.zeros(*q_in.shape[:2], q_in.shape[-1] // head_k, head_v)
+
+    if fused:
+        monkeypatch.setattr(gdn_module, "conv_gated_delta_rule", fused_spy)
+    else:
+        monkeypatch.setattr(layer, "_rule", spy)
     layer(torch.randn(1, 9, 64))
     assert seen == [dict(cu_seqlens=None, **kwargs)]
 

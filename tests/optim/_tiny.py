@@ -87,8 +87,8 @@ def loss_fn(model, tokens):
 
 
 def optim_config(**overrides):
-    """An [optimizer] section with HyMo's fields (the defaults of optim/config.py)."""
-    from hymo_recipes.optim.config import Optimizer
+    """An [optimizer] section with HyMo's fields (the defaults of hymo_recipes/titan/job_config.py)."""
+    from hymo_recipes.titan.job_config import Optimizer
 
     cfg = Optimizer()
     base = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation="foreach",

@@ -30,8 +30,7 @@ ATOL, RTOL = 2e-5, 1e-4
 
 
 def build(model):
-    from hymo_recipes.optim.container import build_hymo_optimizers
-    from hymo_recipes.scheduler import build_hymo_lr_schedulers
+    from hymo_recipes.titan.optimizers import build_hymo_lr_schedulers, build_hymo_optimizers
 
     opts = build_hymo_optimizers([model], _tiny.optim_config(**OPT), None)
     return opts, build_hymo_lr_schedulers(opts, _tiny.sched_config(), 10)

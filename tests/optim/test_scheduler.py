@@ -13,9 +13,9 @@ import torch
 
 from hymo_recipes.scheduler import (
     WSDSchedule,
-    build_hymo_lr_schedulers,
     make_wsd_lambda,
     wsd_factor,
+    wsd_schedule,
 )
 
 T = 57_220  # the seed's run: 2% / 83% / 15%, linear, min 0.05
@@ -124,6 +124,7 @@ def test_lambdalr_convention_matches_torchtitan_loop():
     assert used[1_144] == pytest.approx(2.0)
     # TorchTitan's built-in schedule with warmup_steps = 1144 uses the same convention for the
     # warmup ramp: its lambda gives (last_epoch + 1) / warmup to train step last_epoch + 1.
+    import hymo_recipes.titan  # noqa: F401  (before TorchTitan: CPU shim 1)
     from torchtitan.components.lr_scheduler import build_lr_schedulers
 
     cfg = types.SimpleNamespace(total_steps=T, warmup_steps=W, decay_ratio=0.15,
@@ -134,16 +135,16 @@ def test_lambdalr_convention_matches_torchtitan_loop():
         assert titan.lr_lambdas[0](s - 1) == pytest.approx(ours(s - 1)), s
 
 
-def test_builder_rejects_step_based_fields():
+def test_schedule_rejects_step_based_fields():
     cfg = types.SimpleNamespace(
         warmup_steps=200, decay_ratio=None, total_steps=None, warmup_fraction=0.02,
         stable_fraction=0.83, decay_fraction=0.15, decay_type="linear", min_lr_factor=0.05,
     )
     with pytest.raises(ValueError, match="warmup_fraction"):
-        build_hymo_lr_schedulers(None, cfg, 100)
+        wsd_schedule(cfg, 100)
     cfg.warmup_steps, cfg.decay_ratio = None, 0.2
     with pytest.raises(ValueError, match="decay_fraction"):
-        build_hymo_lr_schedulers(None, cfg, 100)
+        wsd_schedule(cfg, 100)
     cfg.decay_ratio, cfg.stable_fraction = None, 0.9
     with pytest.raises(ValueError, match="sum to 1"):
-        build_hymo_lr_schedulers(None, cfg, 100)
+        wsd_schedule(cfg, 100)

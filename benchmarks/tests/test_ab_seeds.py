@@ -1,0 +1,63 @@
+"""benchmarks/ab_seeds.sh end to end on CPU (DRY=1: the debug config, two 2-step runs)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.bench
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(tmp_path, **env):
+    full = dict(os.environ, DRY="1", OUT=str(tmp_path / "out"), RUN_DIR=str(tmp_path / "runs"), **env)
+    return subprocess.run(["bash", "benchmarks/ab_seeds.sh"], cwd=REPO, env=full, capture_output=True, text=True)
+
+
+def test_two_settings_one_seed_table(tmp_path):
+    # every Python process of a run records its AB_TAG (A_ENV / B_ENV), so the marker shows which
+    # setting's environment each run got
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "marker"
+    (site / "sitecustomize.py").write_text(
+        f"import os\nif 'AB_TAG' in os.environ:\n    open({str(marker)!r}, 'a').write(os.environ['AB_TAG'] + '\\n')\n")
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    res = run_script(tmp_path, STEPS="2", SEEDS="3", A_NAME="lr3", A_ARGS="--optimizer.lr 3e-4",
+                     B_NAME="lr1", B_ARGS="--optimizer.lr 1e-4", A_ENV="AB_TAG=a", B_ENV="AB_TAG=b",
+                     PYTHONPATH=pythonpath)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1] for line in res.stdout.splitlines() if line.startswith(("lr3@3", "lr1@3"))}
+    assert set(rows) == {"lr3@3", "lr1@3"}
+    line = next(x for x in res.stdout.splitlines() if x.startswith("lr1 minus lr3, final loss per seed: 3: "))
+    diff = float(line.split("seed: 3: ")[1].split(";")[0])
+    assert abs(diff - (float(rows["lr1@3"]) - float(rows["lr3@3"]))) < 2e-4  # the rows are rounded
+    # both runs trained with their own setting (the learning rates differ, so the losses do)
+    assert rows["lr3@3"] != rows["lr1@3"]
+    assert (tmp_path / "out" / "table.txt").read_text().count("@3") == 2
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.log")) == ["lr1_s3.log", "lr3_s3.log"]
+    # A ran first (one device), then B; the table script runs with neither tag
+    tags = marker.read_text().split()
+    assert tags and tags == sorted(tags) and set(tags) == {"a", "b"}, tags
+
+
+def test_bad_labels_are_refused_before_any_run(tmp_path):
+    for env in (dict(A_NAME="a b"), dict(B_NAME="x@1"), dict(A_NAME="same", B_NAME="same"), dict(B_ENV="X=1 nope"),
+                dict(A_ENV="1X=2")):
+        res = run_script(tmp_path, **env)
+        assert res.returncode == 2 and "ab_seeds:" in res.stderr, env
+    assert not (tmp_path / "runs").exists()
+
+
+def test_pack_leaves_the_table_and_one_archive(tmp_path):
+    import tarfile
+
+    res = run_script(tmp_path, STEPS="1", SEEDS="5", A_NAME="x", B_NAME="y", PACK="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["runs.tar.gz", "table.txt"]
+    assert "x@5" in (out / "table.txt").read_text() and "y@5" in (out / "table.txt").read_text()
+    with tarfile.open(out / "runs.tar.gz") as tar:
+        names = tar.getnames()
+    assert {"x_s5.log", "y_s5.log"} <= set(names) and any(n.startswith("tb_x_s5") for n in names), names

@@ -1,0 +1,70 @@
+"""benchmarks/train_bench.py and benchmarks/gdn_layer_bench.py: log parsing, run specs, the table's
+ratios, and each benchmark's CPU dry mode end to end (the code paths the GPU run takes)."""
+
+import pytest
+
+from benchmarks import gdn_layer_bench, train_bench
+
+pytestmark = pytest.mark.bench
+
+LOG = """\
+[rank0]:[titan] 2026-12-01 10:02:38,135 - root - INFO - \x1b[31mstep:  7  \x1b[32mloss: 10.59076  \
+\x1b[38;2;180;60;0mgrad_norm:  0.9820  \x1b[38;2;54;234;195mmemory: 21.30GiB(15.54%)  \x1b[34mtps: 46,123  \
+\x1b[36mtflops: 136.20  \x1b[35mmfu: 13.77%\x1b[39m
+[rank0]:[titan] 2026-12-01 10:02:39,965 - root - INFO - bench: optimizer_step_ms=12.500
+[rank0]:[titan] 2026-12-01 10:02:39,966 - root - INFO - \x1b[31mstep:  8  \x1b[32mloss: nan  \
+\x1b[38;2;180;60;0mgrad_norm:  1.3303  \x1b[38;2;54;234;195mmemory: 22.00GiB(5.54%)  \x1b[34mtps: 47,000  \
+\x1b[36mtflops: 139.00  \x1b[35mmfu: 14.05%\x1b[39m
+"""
+
+
+def test_parse_log_reads_titans_step_lines_and_the_timer():
+    steps, opt = train_bench.parse_log(LOG)
+    assert [s["step"] for s in steps] == [7, 8]
+    assert steps[0] == dict(step=7, loss=10.59076, mem=21.30, tps=46123.0, tflops=136.20, mfu=13.77)
+    assert steps[1]["loss"] != steps[1]["loss"]  # nan
+    assert opt == [12.5]
+
+
+@pytest.mark.parametrize("spec, dry, message", [
+    ("nope:4", False, "bad run spec"), ("hymo_750m:0", False, "bad batch"), ("hymo_750m:4:some", False,
+                                                                              "bad activation checkpointing"),
+    ("hymo_debug:2", False, "for the CPU dry run"), ("hymo_750m:4", True, "not for the CPU dry run"),
+])
+def test_bad_run_specs_fail_in_one_line(spec, dry, message):
+    with pytest.raises(SystemExit, match=message):
+        train_bench.parse_spec(spec, dry)
+
+
+def test_table_ratios_against_each_peer():
+    hymo = train_bench.Run("hymo_750m", 4, "none", seq=4096,
+                           steps=[dict(step=s, mem=20.0, tps=120_000.0, tflops=300.0, mfu=30.0) for s in (1, 2, 3)],
+                           opt_ms=[5.0, 5.0, 5.0])
+    peer = train_bench.Run("dsv3_32", 4, "none", seq=4096,
+                           steps=[dict(step=s, mem=80.0, tps=40_000.0, tflops=290.0, mfu=29.0) for s in (1, 2, 3)])
+    text = train_bench.table([hymo, peer], warmup=1)
+    assert "| hymo_750m:4:none / dsv3_32:4:none (same batch) | 3.00 |" in text
+    # step time 4 x 4096 / 120,000 s = 136.5 ms, so 5 ms is 3.7 %
+    assert "5.0 (3.7 %)" in text
+
+
+@pytest.mark.slow
+def test_train_bench_dry_run_trains_every_preset_kind(tmp_path, capsys):
+    rc = train_bench.main(["--dry", "--log-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for name in ("hymo_debug:2:none", "dsv3_tiny:2:none", "llama3_tiny:2:none"):
+        assert f"train_bench: {name} done" in out
+    assert "/ dsv3_tiny:2:none (same batch)" in out
+    # every run logged the optimizer timer's line, so the table has a share for each
+    assert out.count(" %) |") == 3
+
+
+def test_gdn_layer_bench_dry_run(capsys):
+    assert gdn_layer_bench.main(["--dry"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"hymo", "fla", "gemms"} <= set(rows)
+    assert "skipped: GPU only" in rows["fla"]
+    # the seven projections save x once and o_proj's input: 2 x 64 fp32 values per token
+    assert rows["gemms"].split("|")[4].strip() == "0.5"

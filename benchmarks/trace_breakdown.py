@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Where a training step's GPU time goes, from a torch.profiler chrome trace.
+
+TorchTitan writes one trace per profiled step (``--profiling.enable_profiling``:
+``<dump_folder>/profile_traces/iteration_N/rank0_trace.json``). This sums the GPU kernels of
+the trace by category (CATEGORIES: the first pattern that matches a kernel's name wins) and
+prints a table: GPU ms per category, its share of all kernel time, the kernel count, and how
+much of it was launched inside ``Optimizer.step`` (the optimizers' profiler annotations). Then
+the step's host time (the host's ``ProfilerStep#N`` annotation), how busy the GPU was over the
+span of its kernels, for the whole step and for the kernels launched inside the optimizer step
+and outside it (the step's span less the optimizer's; a GPU busy well below 100 % means the
+host, not the GPU, sets the pace), the
+host's CUDA API time in launches and synchronisations, and the longest kernels by name.
+
+    python -m benchmarks.trace_breakdown outputs/hymo_750m/profile_traces/iteration_12/rank0_trace.json
+
+(benchmarks/step_profile.sh takes such a trace and runs this on it.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+
+# (category, regex on the kernel name): the first match wins, so the specific ones come first
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    # the Triton kernels of hymo_kernels.gdn, by their function names
+    ("GDN (hymo_kernels.gdn)", r"^_(wy_inverse|fwd_prep|state_pass|fwd_out|bwd_prep|bwd_local|bwd_dstate|bwd_sub"
+                               r"|sum_parts)_kernel"),
+    ("NCCL", r"nccl"),
+    ("attention (SDPA)", r"flash|fmha|sdpa|attention"),
+    ("grouped GEMM (MoE experts)", r"group"),
+    ("GEMM", r"gemm|xmma|cutlass|nvjet|cublas|splitk|sm90_|sm80_"),
+    ("Inductor (fused Triton)", r"^triton_"),
+    ("ATen elementwise / reductions", r"at::native|elementwise|reduce_kernel|vectorized|unrolled"),
+)
+OTHER = "other kernels"
+COPY = "memcpy / memset"
+# host CUDA API calls (cat cuda_runtime / cuda_driver) by what they do
+LAUNCH_API = re.compile(r"^(cudaLaunch|cuLaunch)")
+SYNC_API = re.compile(r"^cuda(Stream|Device|Event)Synchronize$")
+
+
+def categorize(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return cat
+    return OTHER
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length (ms) of the union of [start, end) intervals given in µs."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def breakdown(trace: dict) -> dict:
+    """Per-category GPU time of one trace (times in ms)."""
+    events = trace.get("traceEvents")
+    if not isinstance(events, list):
+        raise ValueError("not a chrome trace: no 'traceEvents' list")
+    complete = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
+    gpu = [e for e in complete if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        raise ValueError("the trace has no GPU kernels (was it taken on a GPU, with CUDA activities?)")
+    # host annotations only: the profiler mirrors them on the GPU's track as gpu_user_annotation
+    host = [e for e in complete if e.get("cat") == "user_annotation"]
+    api = [e for e in complete if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    # which host launches ran inside an optimizer step: by the launch's correlation id
+    opt_spans = [(e["ts"], e["ts"] + e["dur"]) for e in host if str(e.get("name", "")).startswith("Optimizer.step#")]
+    in_opt = set()
+    for e in api:
+        if "correlation" in e.get("args", {}) and any(s <= e["ts"] <= t for s, t in opt_spans):
+            in_opt.add(e["args"]["correlation"])
+    cats: dict[str, dict] = defaultdict(lambda: dict(ms=0.0, n=0, opt_ms=0.0))
+    names: dict[str, dict] = defaultdict(lambda: dict(ms=0.0, n=0))
+    for e in gpu:
+        cat = COPY if e["cat"] != "kernel" else categorize(e["name"])
+        ms = e["dur"] / 1e3
+        c = cats[cat]
+        c["ms"] += ms
+        c["n"] += 1
+        if _corr(e) in in_opt:
+            c["opt_ms"] += ms
+        names[e["name"]]["ms"] += ms
+        names[e["name"]]["n"] += 1
+    steps = [e for e in host if str(e.get("name", "")).startswith("ProfilerStep#")]
+    phases = {}
+    for phase, part in (("step", gpu), ("inside Optimizer.step", [e for e in gpu if _corr(e) in in_opt]),
+                        ("outside Optimizer.step", [e for e in gpu if _corr(e) not in in_opt])):
+        if part:
+            span = (max(e["ts"] + e["dur"] for e in part) - min(e["ts"] for e in part)) / 1e3
+            if phase.startswith("outside") and "inside Optimizer.step" in phases:
+                # the optimizer's kernels run as one block: the rest of the step's span is everything else
+                span = phases["step"]["span_ms"] - phases["inside Optimizer.step"]["span_ms"]
+            phases[phase] = dict(busy_ms=_union_ms([(e["ts"], e["ts"] + e["dur"]) for e in part]), span_ms=span,
+                                 n=len(part))
+    calls = {what: dict(n=sum(1 for e in api if rx.match(e["name"])),
+                        ms=sum(e["dur"] for e in api if rx.match(e["name"])) / 1e3)
+             for what, rx in (("launches", LAUNCH_API), ("synchronisations", SYNC_API))}
+    return dict(categories=dict(cats), kernels=dict(names), kernel_ms=sum(c["ms"] for c in cats.values()),
+                busy_ms=phases["step"]["busy_ms"], span_ms=phases["step"]["span_ms"], phases=phases, api=calls,
+                step_ms=sum(e["dur"] for e in steps) / 1e3 if steps else None, n_steps=len(steps),
+                optimizer_spans=len(opt_spans))
+
+
+def _corr(e: dict):
+    return e.get("args", {}).get("correlation")
+
+
+def render(b: dict, top: int = 12) -> str:
+    total = b["kernel_ms"]
+    rows = ["| category | GPU ms | share | kernels | of it in Optimizer.step (ms) |", "|---|---|---|---|---|"]
+    for cat, c in sorted(b["categories"].items(), key=lambda kv: -kv[1]["ms"]):
+        rows.append(f"| {cat} | {c['ms']:.2f} | {100 * c['ms'] / total:.1f} % | {c['n']} | {c['opt_ms']:.2f} |")
+    rows.append(f"| all | {total:.2f} | 100 % | {sum(c['n'] for c in b['categories'].values())} | "
+                f"{sum(c['opt_ms'] for c in b['categories'].values()):.2f} |")
+    step = (f"{b['step_ms']:.1f} ms host time in {b['n_steps']} ProfilerStep annotation(s)" if b["step_ms"]
+            else "no ProfilerStep annotation")
+    rows += ["", f"{step}; {b['optimizer_spans']} Optimizer.step annotation(s)", "",
+             "| GPU work | span ms | busy ms | busy share | kernels |", "|---|---|---|---|---|"]
+    for phase, p in b["phases"].items():
+        share = 100 * p["busy_ms"] / p["span_ms"] if p["span_ms"] else 100.0
+        rows.append(f"| {phase} | {p['span_ms']:.1f} | {p['busy_ms']:.1f} | {share:.0f} % | {p['n']} |")
+    rows += ["", "host CUDA API: " + ", ".join(f"{c['n']} {what} ({c['ms']:.1f} ms)" for what, c in b["api"].items()),
+             "", f"| longest kernels (top {top}) | GPU ms | count |", "|---|---|---|"]
+    for name, k in sorted(b["kernels"].items(), key=lambda kv: (-kv[1]["ms"], kv[0]))[:top]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        rows.append(f"| `{short}` | {k['ms']:.2f} | {k['n']} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", help="a chrome trace (.json) written by torch.profiler")
+    ap.add_argument("--top", type=int, default=12, help="how many kernels to list by GPU time")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.trace) as f:
+            trace = json.load(f)
+        print(render(breakdown(trace), args.top))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        print(f"trace_breakdown: {args.trace}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

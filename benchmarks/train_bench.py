@@ -1,0 +1,270 @@
+"""Training-step throughput of HyMo against TorchTitan's own models, through the real train loop.
+
+    python -m benchmarks.train_bench                                   # the default runs, one GPU
+    python -m benchmarks.train_bench --runs hymo_750m:16 dsv3_8:16 --steps 12
+    python -m benchmarks.train_bench --runs hymo_750m:max --mem-cap-gib 80
+    python -m benchmarks.train_bench --dry                             # CPU: the tiny flavors, 3 steps
+
+Each run is ``NGPU=1 ./run_train.sh`` (one process; FSDP2 and compile as the config says) with
+seq 4096 (64 in the dry mode), one microbatch per step (global batch = local batch), no
+checkpoints and no validation, every step logged; TorchTitan's models train with its AdamW
+(lr 3e-4), HyMo with its config's optimizers; ``benchmarks.peers`` is imported into every
+run (TorchTitan's models at HyMo's shapes, and the optimizer-step timer). A run spec is
+``PRESET[:BATCH[:AC]]`` (``--global-batch`` sets the sequences per optimizer step, i.e.
+gradient accumulation, for every run): BATCH a number, or ``max`` for the largest of ``--batches`` whose run
+fits under ``--mem-cap-gib`` (tried in increasing order, stopping at the first that does not);
+AC ``none`` | ``selective`` | ``full`` (default: the preset's).
+
+Per run, over the steps after ``--warmup`` (compile and allocator warm-up): median tokens/s,
+TFLOP/s and MFU as TorchTitan logs them, i.e. num_flops_per_token × tokens/s against the GPU's
+peak (989 TFLOP/s bf16 dense for an H100/H200; TorchTitan's get_peak_flops), with each model's
+own get_nparams_and_flops: TorchTitan's 6 × active non-embedding parameters + 6 × layers ×
+heads × (qk + v head dims) × seq for its models; HyMo's hymo_recipes/model/counts.py adds the
+tied head once per MTP head and the GDN recurrence as the chunked algorithm executes it. Peak
+memory is TorchTitan's (the allocator's peak reserved bytes). The optimizer share is the
+optimizer step's time (CUDA events) over the step time (tokens / tokens/s). Then each HyMo
+run's tokens/s over each peer run's at the same batch and over every peer run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# model presets: the TOML of a HyMo run, or (TorchTitan model name, flavor) for a peer
+PRESETS = {
+    "hymo_750m": dict(config="train_configs/hymo_750m.toml", ac="selective"),
+    "hymo_small": dict(config="train_configs/hymo_small.toml", ac="none"),
+    "dsv3_8": dict(model=("deepseek_v3", "hymo_mla8"), ac="none"),
+    "dsv3_32": dict(model=("deepseek_v3", "hymo_mla32"), ac="none"),
+    "llama3_450m": dict(model=("llama3", "450m"), ac="none"),
+    # the CPU dry run's
+    "hymo_debug": dict(config="train_configs/debug_model.toml", ac="none", dry=True),
+    "dsv3_tiny": dict(model=("deepseek_v3", "hymo_mla_tiny"), ac="none", dry=True),
+    "llama3_tiny": dict(model=("llama3", "450m_tiny"), ac="none", dry=True),
+}
+DEFAULT_RUNS = ["hymo_750m:4", "hymo_750m:16", "dsv3_8:4", "dsv3_8:16", "dsv3_32:4", "llama3_450m:16"]
+DRY_RUNS = ["hymo_debug:2", "dsv3_tiny:2", "llama3_tiny:2"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naninf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
+                   r".*?tflops:\s*([\d,.]+).*?mfu:\s*([\d.]+)%")
+_OPT = re.compile(r"bench: optimizer_step_ms=([\d.]+)")
+_PEER_TOML = """\
+[job]
+description = "benchmark peer {model}:{flavor}"
+[model]
+name = "{model}"
+flavor = "{flavor}"
+hf_assets_path = "./assets/tokenizer"
+[training]
+dataset = "brown"
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+[lr_scheduler]
+warmup_steps = 2
+[compile]
+enable = {compile}
+"""
+
+
+@dataclasses.dataclass
+class Run:
+    preset: str
+    batch: int
+    ac: str
+    steps: list[dict] = dataclasses.field(default_factory=list)
+    opt_ms: list[float] = dataclasses.field(default_factory=list)
+    seq: int = 4096
+    global_batch: int = 0  # 0: the local batch (one microbatch per step)
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset}:{self.batch}:{self.ac}"
+
+    @property
+    def is_hymo(self) -> bool:
+        return "config" in PRESETS[self.preset]
+
+    def median(self, key: str, warmup: int) -> float:
+        vals = [s[key] for s in self.steps if s["step"] > warmup]
+        return statistics.median(vals) if vals else float("nan")
+
+    def peak_gib(self) -> float:
+        return max((s["mem"] for s in self.steps), default=float("nan"))
+
+
+def parse_log(text: str) -> tuple[list[dict], list[float]]:
+    """The logged steps (step, loss, mem GiB, tps, tflops, mfu) and optimizer-step times (ms)."""
+    steps, opt = [], []
+    for line in _ANSI.sub("", text).splitlines():
+        if m := _STEP.search(line):
+            steps.append(dict(step=int(m[1]), loss=float(m[2]), mem=float(m[3]), tps=float(m[4].replace(",", "")),
+                              tflops=float(m[5].replace(",", "")), mfu=float(m[6])))
+        elif m := _OPT.search(line):
+            opt.append(float(m[1]))
+    return steps, opt
+
+
+def parse_spec(spec: str, dry: bool) -> tuple[str, str, str | None]:
+    parts = spec.split(":")
+    if not 1 <= len(parts) <= 3 or parts[0] not in PRESETS:
+        raise SystemExit(f"train_bench: bad run spec {spec!r}: PRESET[:BATCH[:AC]] with PRESET one of {sorted(PRESETS)}")
+    preset, batch, ac = parts[0], (parts[1] if len(parts) > 1 else "4"), (parts[2] if len(parts) > 2 else None)
+    if PRESETS[preset].get("dry", False) != dry:
+        raise SystemExit(f"train_bench: preset {preset!r} is {'not ' if dry else ''}for the CPU dry run "
+                         f"({'--dry' if not dry else 'drop --dry'})")
+    if batch != "max" and not (batch.isdigit() and int(batch) > 0):
+        raise SystemExit(f"train_bench: bad batch {batch!r} in {spec!r}: a positive number or 'max'")
+    if ac not in (None, "none", "selective", "full"):
+        raise SystemExit(f"train_bench: bad activation checkpointing {ac!r} in {spec!r}: none, selective or full")
+    return preset, batch, ac
+
+
+def _failure_line(text: str) -> str:
+    """The line that names a failed run's cause: HyMo's one-line config error, else the last exception."""
+    lines = [re.sub(r"^(\[rank\d+\]:)+", "", _ANSI.sub("", line)).strip() for line in text.splitlines()]
+    named = [line for line in lines if line.startswith("hymo:") or re.match(r"\w+(Error|Exception)\b", line)]
+    return (named or [line for line in lines if line.strip()] or ["no output"])[-1][:300]
+
+
+def command(run: Run, args, workdir: Path) -> tuple[list[str], dict]:
+    p = PRESETS[run.preset]
+    if "config" in p:
+        config = p["config"]
+    else:
+        model, flavor = p["model"]
+        config = str(workdir / f"{run.preset}.toml")
+        Path(config).write_text(_PEER_TOML.format(model=model, flavor=flavor,
+                                                  compile="false" if args.dry else "true"))
+    extra = [
+        "--experimental.custom_import", "benchmarks.peers",
+        "--training.local_batch_size", str(run.batch), "--training.global_batch_size",
+        str(run.global_batch or run.batch),
+        "--training.seq_len", str(run.seq), "--training.steps", str(args.steps),
+        "--metrics.log_freq", "1", "--metrics.no-enable-tensorboard", "--checkpoint.no-enable",
+        "--validation.no-enable", "--job.dump_folder", str(workdir / run.preset),
+        "--activation_checkpoint.mode", run.ac, "--debug.seed", "42",
+    ]
+    if args.dry:
+        extra += ["--training.mixed_precision_param", "float32"]
+    env = dict(os.environ, NGPU="1", LOG_RANK="0", CONFIG_FILE=config,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return ["bash", str(REPO / "run_train.sh"), *extra, *args.extra], env
+
+
+def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
+    cmd, env = command(run, args, workdir)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        rc = "timeout"
+    run.seconds = time.monotonic() - start
+    if log_dir is not None:
+        (log_dir / f"{run.name.replace(':', '_')}.log").write_text(text)
+    run.steps, run.opt_ms = parse_log(text)
+    if rc != 0:
+        oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
+        run.error = "out of memory" if oom else f"exit {rc}: {_failure_line(text)}"
+    elif len(run.steps) < args.steps:
+        run.error = f"logged {len(run.steps)} of {args.steps} steps"
+    return run
+
+
+def run_spec(spec: str, args, workdir: Path, log_dir: Path | None) -> list[Run]:
+    preset, batch, ac = parse_spec(spec, args.dry)
+    ac = ac or PRESETS[preset]["ac"]
+    seq = 64 if args.dry else args.seq_len
+    if batch != "max":
+        run = Run(preset, int(batch), ac, seq=seq, global_batch=args.global_batch)
+        return [execute(run, args, workdir, log_dir)]
+    tried = []
+    for b in args.batches:
+        r = execute(Run(preset, b, ac, seq=seq, global_batch=args.global_batch), args, workdir, log_dir)
+        tried.append(r)
+        print(f"train_bench: {r.name}: {r.error or f'{r.peak_gib():.1f} GiB'}", flush=True)
+        if r.error or r.peak_gib() > args.mem_cap_gib:
+            break
+    fits = [r for r in tried if not r.error and r.peak_gib() <= args.mem_cap_gib]
+    return fits[-1:] if fits else tried[:1]
+
+
+def table(runs: list[Run], warmup: int) -> str:
+    rows = ["| run | tokens/s | TFLOP/s | MFU % | peak GiB | optimizer ms (share) | note |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r.error and not r.steps:
+            rows.append(f"| {r.name} | – | – | – | – | – | {r.error} |")
+            continue
+        tps = r.median("tps", warmup)
+        opt = statistics.median(r.opt_ms[warmup:]) if len(r.opt_ms) > warmup else float("nan")
+        step_ms = 1e3 * (r.global_batch or r.batch) * r.seq / tps if tps == tps and tps > 0 else float("nan")
+        share = 100 * opt / step_ms if step_ms == step_ms else float("nan")
+        rows.append(f"| {r.name} | {tps:,.0f} | {r.median('tflops', warmup):.1f} | {r.median('mfu', warmup):.1f} | "
+                    f"{r.peak_gib():.1f} | {opt:.1f} ({share:.1f} %) | {r.error} |")
+    hymo = [r for r in runs if r.is_hymo and r.steps]
+    peers = [r for r in runs if not r.is_hymo and r.steps]
+    if hymo and peers:
+        rows += ["", "| HyMo run / peer run | tokens/s ratio |", "|---|---|"]
+        for h in hymo:
+            for p in peers:
+                same = " (same batch)" if p.batch == h.batch else ""
+                rows.append(f"| {h.name} / {p.name}{same} | {h.median('tps', warmup) / p.median('tps', warmup):.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=textwrap.dedent(f"presets: {', '.join(sorted(PRESETS))}"))
+    ap.add_argument("--runs", nargs="+", help=f"run specs PRESET[:BATCH[:AC]] (default: {' '.join(DEFAULT_RUNS)})")
+    ap.add_argument("--dry", action="store_true", help="CPU: tiny flavors, seq 64, fp32, no compile")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 12; 3 with --dry)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 6; 1 with --dry)")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--global-batch", type=int, default=0,
+                    help="sequences per optimizer step for every run (gradient accumulation over local batches; "
+                         "default: one microbatch per step)")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 12, 16, 24, 32],
+                    help="batches tried for BATCH = max, in increasing order (default 4,8,12,16,24,32)")
+    ap.add_argument("--mem-cap-gib", type=float, default=80.0, help="memory cap for BATCH = max (GiB)")
+    ap.add_argument("--run-timeout", type=float, default=480.0, help="seconds per run")
+    ap.add_argument("--log-dir", type=Path, default=None, help="keep each run's log here")
+    ap.add_argument("extra", nargs="*", help="after --: more run_train.sh arguments for every run")
+    args = ap.parse_args(argv)
+    args.steps = args.steps or (3 if args.dry else 12)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.dry else 6)
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    specs = args.runs or (DRY_RUNS if args.dry else DEFAULT_RUNS)
+    for s in specs:  # every spec checked before the first (minutes-long) run
+        parse_spec(s, args.dry)
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="train_bench_") as tmp:
+        for spec in specs:
+            for r in run_spec(spec, args, Path(tmp), args.log_dir):
+                runs.append(r)
+                print(f"train_bench: {r.name} done in {r.seconds:.0f} s{': ' + r.error if r.error else ''}", flush=True)
+    print(table(runs, args.warmup))
+    return 1 if any(r.error for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The training dataloader: TorchTitan's, with a checkpoint that any number of ranks can load.
+
+TorchTitan 0.2.2 splits the documents into one contiguous shard per data-parallel (DP) rank,
+saves each rank's position under its own key (``dp_rank_<r>``) and asserts on load that the DP
+degree is unchanged; a run with more ranks cannot even load (DCP finds no key for the new
+ranks). HyMo's loader saves one entry instead, written identically by every rank: the DP degree
+W, the sequences each rank has consumed, every rank's TorchTitan state and, for map-style
+datasets, which documents each rank has read in the epoch in progress (gathered over the ranks
+when the checkpoint is written). On load:
+
+- same DP degree: each rank restores its own TorchTitan state, an exact resume (bitwise on
+  CPU, tests/integration/test_train.py);
+- DP degree W -> W' (logged as a warning), map-style dataset: the epoch continues with exactly
+  the documents no rank has read yet. Rank r' of W' takes its new contiguous shard (the same
+  split TorchTitan makes) minus every document the W ranks read in this epoch, in order; the
+  next epoch reads its whole shard again. Lost: each old rank's buffered tail (the part of its
+  last document not yet cut into a sequence, under seq_len + 1 tokens per rank). No document is
+  read twice, which matters: a model re-reading sequences it has just trained on shows a
+  falsely low loss after a resume on another number of GPUs;
+- DP degree change, streaming dataset or a checkpoint without document positions: rank r' of
+  W' replays its new shard from the start and skips its share of the G sequences consumed by
+  all ranks together (G // W', one more for the first G % W' ranks): the position in tokens is
+  kept, the documents are not (some are read twice, as many are skipped).
+
+Document positions are saved for map-style datasets read without worker processes
+(``num_workers = 0``, the configs' setting); with workers, the sequence-count fallback applies.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import asdict
+from typing import Any
+
+import torch.distributed as dist
+from datasets import Dataset
+
+from hymo_recipes.titan.api import HuggingFaceTextDataset, ParallelAwareDataloader, logger
+
+__all__ = ["HymoDataloader", "HymoTextDataset", "build_hymo_dataloader", "pack_states",
+           "shard_bounds", "take_ranges", "subtract_ranges"]
+
+Ranges = list[tuple[int, int]]  # [start, end) document index ranges, sorted, disjoint
+
+
+def shard_bounds(n_docs: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of rank's contiguous shard: datasets' ``Dataset.shard(contiguous=True)``,
+    which ``split_dataset_by_node`` uses for map-style datasets."""
+    div, mod = divmod(n_docs, world)
+    start = div * rank + min(rank, mod)
+    return start, start + div + (1 if rank < mod else 0)
+
+
+def take_ranges(ranges: Ranges, count: int) -> Ranges:
+    """The first ``count`` documents of ``ranges``, as ranges."""
+    out = []
+    for a, b in ranges:
+        if count <= 0:
+            break
+        out.append((a, min(b, a + count)))
+        count -= b - a
+    return out
+
+
+def subtract_ranges(block: tuple[int, int], taken: Ranges) -> Ranges:
+    """The documents of ``block`` outside every range of ``taken``."""
+    out, cursor = [], block[0]
+    for a, b in sorted(taken):
+        a, b = max(a, block[0]), min(b, block[1])
+        if a >= b:
+            continue
+        if a > cursor:
+            out.append((cursor, a))
+        cursor = max(cursor, b)
+    if cursor < block[1]:
+        out.append((cursor, block[1]))
+    return out
+
+
+class HymoTextDataset(HuggingFaceTextDataset):
+    """TorchTitan's text dataset that can finish an epoch on a list of document ranges (the
+    documents a resume with another DP degree still has to read); the next epoch reads the
+    whole shard. The ranges are part of the saved state."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._epoch_ranges: Ranges | None = None  # shard-relative, for the epoch in progress
+
+    @property
+    def map_style(self) -> bool:
+        return isinstance(self._data, Dataset)
+
+    def _get_data_iter(self):
+        if self._epoch_ranges is None or not self.map_style:
+            return super()._get_data_iter()
+        return self._iter_ranges()
+
+    def _iter_ranges(self):
+        skip = self._sample_idx  # documents of this epoch already read
+        for a, b in self._epoch_ranges:
+            if skip >= b - a:
+                skip -= b - a
+                continue
+            yield from self._data.select(range(a + skip, b))
+            skip = 0
+        self._epoch_ranges = None  # TorchTitan's loop now restarts the epoch on the full shard
+
+    def documents_read(self) -> Ranges:
+        """Shard-relative ranges of the documents read in the epoch in progress."""
+        epoch = self._epoch_ranges if self._epoch_ranges is not None else [(0, len(self._data))]
+        return take_ranges(epoch, self._sample_idx)
+
+    def continue_epoch(self, ranges: Ranges) -> None:
+        """Read exactly ``ranges`` (shard-relative) for the rest of this epoch, from a clean
+        buffer."""
+        self._epoch_ranges = [tuple(r) for r in ranges]
+        self._sample_idx = 0
+        self._token_buffer = []
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["epoch_ranges"] = self._epoch_ranges
+        return state
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._epoch_ranges = state_dict.get("epoch_ranges")
+
+_KEY = "hymo_data"
+
+
+class HymoDataloader(ParallelAwareDataloader):
+    """TorchTitan's ParallelAwareDataloader with a DP-degree-independent checkpoint (module
+    docstring). ``state_dict`` is collective: every rank must call it (DCP does)."""
+
+    def __init__(self, dataset, dp_rank: int, dp_world_size: int, **kwargs):
+        super().__init__(dataset, dp_rank, dp_world_size, **kwargs)
+        self.sequences_consumed = 0  # by this rank since the start of the run
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.sequences_consumed += len(batch[1])  # labels [B, T]
+            yield batch
+
+    def local_state(self) -> tuple:
+        """(DP rank, sequences consumed, TorchTitan's state of this rank, documents): the last
+        is (documents in this rank's shard, shard-relative ranges read in the epoch in
+        progress) for a map-style dataset, else None."""
+        docs = None
+        # With worker processes the dataset here is not the copy that reads (each worker has
+        # its own), so its position says nothing: such a checkpoint keeps the sequence-count
+        # fallback on a DP-degree change.
+        if (self.num_workers == 0 and isinstance(self.dataset, HymoTextDataset)
+                and self.dataset.map_style):
+            docs = (len(self.dataset._data), self.dataset.documents_read())
+        return self.dp_rank, self.sequences_consumed, super().state_dict()[self._rank_id], docs
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = self.local_state()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        return pack_states(gathered, self.dp_world_size)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if _KEY not in state_dict:
+            raise ValueError(
+                f"dataloader checkpoint has keys {sorted(state_dict)}, not HyMo's {_KEY!r} "
+                "(written by an older HyMo or by TorchTitan's loader); resume without the data "
+                "position with --checkpoint.exclude_from_loading dataloader"
+            )
+        entry = pickle.loads(state_dict[_KEY])
+        saved_world = entry["dp_world_size"]
+        if saved_world == self.dp_world_size:
+            self.sequences_consumed = entry["sequences"][self.dp_rank]
+            super().load_state_dict({self._rank_id: entry["ranks"][self.dp_rank],
+                                     "world_size": saved_world})
+            return
+        total = sum(entry["sequences"])
+        skip = total // self.dp_world_size + (self.dp_rank < total % self.dp_world_size)
+        docs = entry.get("docs")
+        if (docs is not None and isinstance(self.dataset, HymoTextDataset)
+                and self.dataset.map_style):
+            left = self._unread_documents(docs, saved_world)
+            if self.dp_rank == 0:
+                logger.warning(
+                    f"Resuming with {self.dp_world_size} data-parallel ranks from a checkpoint "
+                    f"of {saved_world}: the epoch in progress continues with the documents no "
+                    f"rank has read yet ({sum(b - a for a, b in left)} on rank 0, in "
+                    f"{len(left)} range(s)); the old ranks' buffered partial sequences are "
+                    "dropped (hymo_recipes/titan/dataloader.py)."
+                )
+            self.dataset.continue_epoch(left)
+            super(ParallelAwareDataloader, self).load_state_dict({})  # fresh iterator
+            self.sequences_consumed = skip
+            return
+        if self.dp_rank == 0:
+            logger.warning(
+                f"Resuming with {self.dp_world_size} data-parallel ranks from a checkpoint of "
+                f"{saved_world}: the exact data position cannot carry over. Each rank restarts "
+                f"its shard and skips its share of the {total} sequences consumed so far "
+                f"({skip} on rank 0), i.e. continues where a {self.dp_world_size}-rank run "
+                f"would be; some documents of this epoch repeat and as many are skipped "
+                f"(hymo_recipes/titan/dataloader.py)."
+            )
+        self._replay(skip)
+        self.sequences_consumed = skip
+
+    def _unread_documents(self, docs: list, saved_world: int) -> Ranges:
+        """This rank's new shard minus every document the saved ranks read in the epoch in
+        progress, shard-relative."""
+        n_docs = sum(length for length, _ in docs)
+        read: Ranges = []
+        for rank, (length, ranges) in enumerate(docs):
+            start, end = shard_bounds(n_docs, rank, saved_world)
+            if end - start != length:
+                raise RuntimeError(
+                    f"dataloader checkpoint: DP rank {rank} of {saved_world} had {length} "
+                    f"documents, a contiguous split of {n_docs} gives {end - start}; resume "
+                    "without the data position with --checkpoint.exclude_from_loading dataloader")
+            read += [(start + a, start + b) for a, b in ranges]
+        block = shard_bounds(n_docs, self.dp_rank, self.dp_world_size)
+        if block[1] - block[0] != len(self.dataset._data):
+            raise RuntimeError(
+                f"dataloader checkpoint was written for a dataset of {n_docs} documents, but DP "
+                f"rank {self.dp_rank} of {self.dp_world_size} has {len(self.dataset._data)} "
+                f"(expected {block[1] - block[0]}): did the dataset change? Resume without the "
+                "data position with --checkpoint.exclude_from_loading dataloader")
+        return [(a - block[0], b - block[0]) for a, b in subtract_ranges(block, read)]
+
+    def _replay(self, sequences: int) -> None:
+        """Moves the dataset past its first ``sequences`` windows (HuggingFaceTextDataset keeps
+        its position in ``state_dict``: documents read and the leftover token buffer)."""
+        it = iter(self.dataset)
+        for i in range(sequences):
+            try:
+                next(it)
+            except StopIteration:
+                raise RuntimeError(f"dataset ran out after {i} of the {sequences} sequences to "
+                                   "skip on resume") from None
+        position = self.dataset.state_dict()
+        del it
+        self.dataset.load_state_dict(position)
+        super(ParallelAwareDataloader, self).load_state_dict({})  # fresh iterator, no saved state
+
+
+def pack_states(gathered: list[tuple], dp_world_size: int) -> dict[str, Any]:
+    """The checkpoint entry from every rank's ``local_state()``. Ranks that share a DP rank
+    (tensor/pipeline parallel) hold the same data position; the first one's entry is kept."""
+    ranks: dict[int, tuple] = {}
+    for dp_rank, sequences, state, *docs in gathered:
+        ranks.setdefault(dp_rank, (sequences, state, docs[0] if docs else None))
+    if sorted(ranks) != list(range(dp_world_size)):
+        raise RuntimeError(f"dataloader states of DP ranks {sorted(ranks)}, expected 0.."
+                           f"{dp_world_size - 1}")
+    docs = [ranks[r][2] for r in range(dp_world_size)]
+    entry = {"dp_world_size": dp_world_size,
+             "sequences": [ranks[r][0] for r in range(dp_world_size)],
+             "ranks": [ranks[r][1] for r in range(dp_world_size)],
+             "docs": docs if all(d is not None for d in docs) else None}
+    # One bytes value: DCP stores it once and hands it to any number of ranks on load.
+    return {_KEY: pickle.dumps(entry)}
+
+
+def build_hymo_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config,
+                          infinite: bool = True) -> HymoDataloader:
+    """TorchTitan's ``build_text_dataloader`` (hf_datasets/text_datasets.py), HyMo's class."""
+    training = job_config.training
+    dataset = HymoTextDataset(
+        dataset_name=training.dataset,
+        dataset_path=training.dataset_path,
+        tokenizer=tokenizer,
+        seq_len=training.seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=infinite,
+    )
+    kwargs = {**asdict(training.dataloader), "batch_size": training.local_batch_size}
+    return HymoDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)

@@ -1,0 +1,128 @@
+"""HyMo's job-config knobs: the ``[hymo]`` section and HyMo's fields of ``[optimizer]`` and
+``[lr_scheduler]``.
+
+TOML configs turn them on with ``[job] custom_config_module = "hymo_recipes.titan.job_config"``
+(HyMo's entry point, ``python -m hymo_recipes.train``, merges them in any case). TorchTitan's
+ConfigManager merges this module's ``JobConfig`` into its own, field by field, so the sections
+parse, reject unknown keys and take CLI overrides (``--hymo.gdn_backend triton``) like the
+built-in ones; a field declared here for a built-in section overrides its default.
+
+Only knobs that vary per run belong in ``[hymo]``; model shape lives in the flavors
+(``hymo_recipes.model``). A ``[hymo]`` knob that names a model field carries that field's name
+and values from the TOML to the model args (``HymoModelArgs.update_from_config``) and on to the
+kernel, and is validated in one place, ``HymoModelArgs.validate``. HyMo's optimizer and
+schedule fields live in TorchTitan's sections because the optimizer and lr-scheduler builders
+see only their own section.
+
+This module imports nothing but the standard library: ``./run_train.sh --help`` reads it.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Hymo:
+    vocab_size: int = 0
+    """Rows of the token embedding (and of the tied output head). 0: the tokenizer's vocabulary
+    (model.hf_assets_path), which the preflight reads before the Trainer starts; a larger value
+    pads the embedding."""
+    gdn_backend: str = "flavor"
+    """Gated DeltaNet recurrence backend: "triton" (the GPU kernel), "torch_chunk" (the chunked
+    PyTorch reference, for CPUs), "naive" (the per-token reference), or "flavor" to keep the
+    flavor's. ``parallelize`` refuses a model built with another backend, and a backend this
+    machine cannot run is an error before the Trainer starts: nothing falls back silently."""
+    gdn_dot_precision: str = "flavor"
+    """Operands of the Triton GDN kernel's dots for bf16 inputs: "table" (the kernel's launch
+    table's choice, "bf16_t" at HyMo's head dims), "tf32", "bf16" (bf16 operands with fp32
+    accumulation, except in the dots with the WY inverse T = (I + A)⁻¹ and inside it), "bf16_t"
+    (T's dots in bf16 too, fla's choice), or "flavor" to keep the flavor's. Speed and error of
+    each: BENCHMARKS.md. Values other than "table" need gdn_backend "triton"."""
+    gdn_bwd_path: str = "flavor"
+    """The Triton GDN kernel's backward: "table" (the kernel's launch table's choice,
+    "local_sub" at HyMo's head dims), "local_sub" (saves every 16-token sub-chunk's start state:
+    more memory, no recomputation), "local" (saves one state per chunk and re-runs each chunk's
+    forward in the backward: the least memory, a slower backward), or "flavor" to keep the
+    flavor's. Memory and time of each: BENCHMARKS.md. Values other than "table" need
+    gdn_backend "triton"."""
+    nonfinite_probe: bool = False
+    """Debugging: log, for each forward, the first module whose output is NaN/Inf while its
+    inputs are finite (hymo_recipes/nonfinite_probe.py); with compile, which compiled block, and
+    whether an eager replay of that block goes non-finite too. Syncs the device per module."""
+
+
+@dataclass
+class Optimizer:
+    """HyMo's ``[optimizer]`` fields. The built-in ``lr``, ``beta1``, ``beta2``, ``eps`` and
+    ``weight_decay`` configure CautiousAdamW (or AdamW for name = "AdamW"); ``implementation``
+    applies to torch's AdamW only. The NaN guard's knobs live here too: the optimizer builder
+    sees only this section, and skipping is a decision of the optimizer step."""
+
+    name: Literal["NorMuon", "CautiousAdamW", "AdamW"] = "NorMuon"
+    """"NorMuon": the partition table (NorMuon for matrices, CautiousAdamW for the rest).
+    Baselines: "CautiousAdamW" puts every group of the table on CautiousAdamW (weight decay per
+    table, lr = optimizer.lr); "AdamW" is TorchTitan's own optimizer, torch.optim.AdamW over all
+    parameters in one group with weight_decay everywhere (``implementation`` applies). All three
+    run in HyMo's container: same WSD schedule, NaN guard and MoE balancing."""
+
+    lr: float = 3e-4
+    """CautiousAdamW's (or AdamW's) learning rate."""
+
+    normuon_lr: float = 0.02
+    normuon_momentum: float = 0.95
+    normuon_beta2: float = 0.95
+    normuon_eps: float = 1e-8
+    normuon_weight_decay: float = 0.1
+    normuon_cautious_wd: bool = True
+    normuon_neuron_norm: bool = True
+    """False gives plain Muon (with cautious weight decay if normuon_cautious_wd)."""
+    normuon_nesterov: bool = True
+    normuon_ns_steps: int = 5
+    normuon_orthogonalizer: Literal["polar_express", "quintic"] = "polar_express"
+    normuon_update_scale: Literal["jordan", "rms", "spectral"] = "jordan"
+    normuon_ortho_dtype: Literal["bfloat16", "float32", "float64"] = "bfloat16"
+    normuon_compiled: bool = False
+    """Run NorMuon's per-shape elementwise maths under torch.compile (a one-off compile at the
+    first step). Faster alone, no gain in 750m training (BENCHMARKS.md)."""
+
+    adamw_cautious_update: bool = True
+    adamw_cautious_wd: bool = True
+    adamw_compiled: bool = False
+    """Run CautiousAdamW's multi-tensor step under torch.compile: a faster optimizer step for a
+    longer compile before step 1 (BENCHMARKS.md). Off by default: at the configs' accumulated
+    batch the optimizer step is a small part of a training step."""
+
+    embed_weight_decay: float = 0.0
+    """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""
+    moe_on_normuon: bool = False
+    """Move the MoE router, routed experts (per expert) and shared experts to NorMuon."""
+
+    consecutive_nan_limit: int = 5
+    """A step whose loss or gradient is NaN/Inf on any rank is skipped (nothing is updated);
+    after this many skipped steps in a row training stops with an error. 0 never stops."""
+    inject_nan_steps: list[int] = field(default_factory=list)
+    """Test hook: 1-based train steps whose loss is made NaN (TOML ``[3, 5]``, command line
+    ``--optimizer.inject_nan_steps 3 5``)."""
+
+
+@dataclass
+class LRScheduler:
+    """HyMo's ``[lr_scheduler]`` fields: the warmup-stable-decay schedule (hymo_recipes/scheduler.py)."""
+
+    warmup_fraction: float = 0.02
+    stable_fraction: float = 0.83
+    decay_fraction: float = 0.15
+    """Fractions of lr_scheduler.total_steps (default training.steps); must sum to 1."""
+
+    min_lr_factor: float = 0.05
+    """Final lr as a fraction of the peak (the seed's min_lr_ratio)."""
+
+    warmup_steps: int | None = None
+    """Unused by HyMo (set warmup_fraction); must stay unset so the two cannot disagree."""
+
+
+@dataclass
+class JobConfig:
+    hymo: Hymo = field(default_factory=Hymo)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)

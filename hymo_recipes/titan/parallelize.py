@@ -1,0 +1,134 @@
+"""Applies activation checkpointing, per-block torch.compile and FSDP2 to a HyMo model.
+
+The canonical TorchTitan order (models/README.md): TP/EP -> AC -> compile -> FSDP. HyMo has no
+TP/EP/CP/PP plans yet; asking for them raises. The same function runs on 1..N GPUs and on CPU
+(gloo): FSDP2 is applied even on a single rank, on the 1-rank world mesh, so bf16 parameters
+with fp32 reduction and fp32 sharded masters mean the same thing at every scale.
+
+Note for one rank with bf16: TorchTitan's Trainer also enters ``torch.autocast`` whenever its
+FSDP check (data-parallel shard degree > 1) is false. With FSDP's bf16 parameters autocast
+changes only the ops it keeps in fp32 (norms, softmax, ...); it is inactive for fp32 runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from hymo_recipes.nonfinite_probe import NonfiniteProbe
+from hymo_recipes.titan.api import TORCH_DTYPE_MAP, apply_ac, logger
+
+# Selective (per-op) activation checkpointing keeps these ops' outputs instead of recomputing
+# them: the matmuls and attention kernels that dominate recompute time, FSDP's
+# reduce-scatter, and max (cheap to keep, needed by low-precision scaling).
+_op_sac_save_list = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_attention_math.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+    torch._higher_order_ops.inductor_compiled_code,
+}
+
+
+def check_compile_backend(job_config, gdn_backend: str) -> bool:
+    """Whether the model's blocks are compiled; raises if the GDN backend cannot be."""
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if compile_model and gdn_backend == "torch_chunk":
+        raise ValueError("[hymo] gdn_backend = 'torch_chunk' is kept out of torch.compile (its "
+                         "compiled backward fails), and the blocks compile with fullgraph: use "
+                         "gdn_backend = 'triton' on a GPU, or --compile.no-enable")
+    return compile_model
+
+
+def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    _check_supported(parallel_dims, job_config)
+    # [hymo] gdn_backend is applied by HymoModelArgs.update_from_config; make sure it was.
+    hymo = getattr(job_config, "hymo", None)  # absent without [job] custom_config_module
+    wanted = hymo.gdn_backend if hymo is not None else "flavor"
+    if wanted != "flavor" and model.model_args.gdn_backend != wanted:
+        raise ValueError(f"[hymo] gdn_backend = {wanted!r} was not applied: the model was built "
+                         f"with {model.model_args.gdn_backend!r}")
+    compile_model = check_compile_backend(job_config, model.model_args.gdn_backend)
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
+                 op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
+    if compile_model:
+        apply_compile(model, job_config.compile.backend)
+    if hymo is not None and hymo.nonfinite_probe:
+        # After compile (it watches compiled blocks as wholes), before FSDP: its hooks must run
+        # before FSDP's post-forward reshard, so that an eager replay sees whole parameters.
+        model.nonfinite_probe = NonfiniteProbe(model)
+        logger.warning("[hymo] nonfinite_probe is on: module outputs are checked every step (slow)")
+
+    if parallel_dims.dp_replicate_enabled:
+        mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"])  # HSDP
+    elif parallel_dims.dp_shard_enabled:
+        mesh = parallel_dims.get_mesh("fsdp")
+    else:
+        mesh = parallel_dims.world_mesh  # one rank
+    training = job_config.training
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward != "never",
+    )
+    logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s), parameters in "
+                f"{training.mixed_precision_param}, reduction in "
+                f"{training.mixed_precision_reduce}")
+    return model
+
+
+def _check_supported(parallel_dims, job_config) -> None:
+    unsupported = {"tensor": parallel_dims.tp, "context": parallel_dims.cp,
+                   "pipeline": parallel_dims.pp, "expert": parallel_dims.ep}
+    for name, degree in unsupported.items():
+        if degree > 1:
+            raise NotImplementedError(f"HyMo has no {name}-parallel plan yet (degree {degree}); "
+                                      "use data parallelism (FSDP/HSDP)")
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.dp_shard_enabled:
+        raise NotImplementedError("pure DDP is not supported; set "
+                                  "parallelism.data_parallel_shard_degree > 1 (FSDP or HSDP)")
+    if job_config.activation_checkpoint.mode not in ("none", "selective", "full"):
+        raise NotImplementedError(f"activation_checkpoint.mode "
+                                  f"{job_config.activation_checkpoint.mode!r}: HyMo supports "
+                                  "none, selective and full")
+    if job_config.training.enable_cpu_offload:
+        raise NotImplementedError("training.enable_cpu_offload is not supported by HyMo yet")
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """Compiles each block separately: the blocks repeat, so compilation is cheap, and FSDP's
+    hooks stay outside the compiled graphs. ``fullgraph=True`` turns a graph break, a silent
+    slowdown otherwise, into an error."""
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, torch.compile(block, backend=backend,
+                                                             fullgraph=True))
+    logger.info("Compiled each HyMo block with torch.compile")
+
+
+def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool) -> None:
+    """One FSDP2 unit per block and per MTP head; the root unit keeps the embedding (also the
+    tied output head, used at the end of forward) and the final norm.
+
+    TorchTitan divides the loss by the global token count itself, so FSDP must sum gradients
+    without dividing; forcing plain SUM reductions keeps that on gloo too, which has no
+    PREMUL_SUM (the numbers are the same on NCCL).
+    """
+    config = {"mesh": mesh,
+              "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
+    for head in model.mtp_heads.values():
+        fully_shard(head, **config, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, **config)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,65 @@
+"""What runs once after every optimizer step: close the step's loss stats, balance the MoE.
+
+Any HyMo optimizers builder calls ``register_step_hooks(optimizers, model_parts,
+parallel_dims, stats)`` on the container it returns (TorchTitan's ``OptimizersContainer`` fires
+container-level hooks once per train step, not per inner optimizer).
+
+MoE contract (``hymo_recipes.model``): an MoE module is one with ``update_expert_bias``; during
+forward it adds to ``tokens_per_expert`` (fp32 [E], routed token-expert assignments before the
+capacity limit) and ``dropped_tokens`` (fp32 [E], those over the capacity), and
+``reset_load_counters`` zeroes both. After each step this hook sums both over
+the data-parallel ranks (one all-reduce for all layers), feeds the global counts to
+``update_expert_bias`` (an EMA of load *shares*, so the double count under activation
+checkpointing does not move the bias), leaves them in the run's ``StepStats`` for the metrics and resets
+the counters. Every rank applies the same update, so the replicated bias stays identical.
+
+A step the optimizer container skipped (``last_step_skipped``: a NaN/Inf loss or gradient,
+hymo_recipes/optim/nan_guard.py) must change nothing: its counts are still all-reduced and
+shown in the metrics (where the bad step routed its tokens is a useful diagnostic), but they
+are discarded, not fed to ``update_expert_bias``: the EMA and the bias stay as they were, and
+the next step starts from zeroed counters (its update sees only its own tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hymo_recipes.titan.metrics import StepStats
+
+
+def moe_modules(model_parts: list[nn.Module]) -> list[nn.Module]:
+    return [m for part in model_parts for m in part.modules() if hasattr(m, "update_expert_bias")]
+
+
+@torch.no_grad()
+def balance_experts(moes: list[nn.Module], loss_mesh, stats: StepStats, *, update: bool = True) -> None:
+    """All-reduce each MoE's counters over ``loss_mesh`` (None: single rank), update its bias
+    (unless ``update`` is False: a skipped step), record the global counts in ``stats`` and
+    zero the counters."""
+    # [2, L, E]: routed and dropped assignments per layer and expert
+    counts = torch.stack([torch.stack([m.tokens_per_expert, m.dropped_tokens]) for m in moes], 1)
+    if loss_mesh is not None:
+        torch.distributed.all_reduce(counts, group=loss_mesh.get_group())
+    load, dropped = counts
+    for m, layer_load in zip(moes, load):
+        if update:
+            m.update_expert_bias(layer_load)
+        m.reset_load_counters()
+    stats.moe_load, stats.moe_dropped = load, dropped
+
+
+def register_step_hooks(optimizers, model_parts: list[nn.Module], parallel_dims, stats: StepStats) -> None:
+    """Registers the after-step hook on ``optimizers`` and publishes its NaN guard (if any) in
+    ``stats`` for the loss function, which is built before the optimizers."""
+    moes = moe_modules(model_parts)
+    loss_mesh = parallel_dims.get_optional_mesh("loss")
+    stats.nan_guard = getattr(optimizers, "nan_guard", None)
+
+    def after_step(*args, **kwargs):
+        stats.end_step()
+        if moes:
+            skipped = getattr(optimizers, "last_step_skipped", False)
+            balance_experts(moes, loss_mesh, stats, update=not skipped)
+
+    optimizers.register_step_post_hook(after_step)

@@ -1,0 +1,221 @@
+"""The training dataloader's checkpoint: exact with the same DP degree; with another degree the
+epoch continues on exactly the documents no rank has read (map-style datasets), or, without
+document positions, the documented fallback (continue where a run with the new degree would
+be)."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shim 1 first)
+from hymo_recipes.titan.api import JobConfig
+from hymo_recipes.titan.datasets import build_tokenizer
+from hymo_recipes.titan.dataloader import (
+    build_hymo_dataloader,
+    pack_states,
+    shard_bounds,
+    subtract_ranges,
+    take_ranges,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ, BATCH = 64, 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not (REPO / "assets/tokenizer/tokenizer.json").exists():
+        pytest.fail("run `python -m hymo_recipes.data.prepare` first")
+    return build_tokenizer(SimpleNamespace(model=SimpleNamespace(
+        hf_assets_path=str(REPO / "assets/tokenizer"))))
+
+
+def loader(tokenizer, rank, world, batch=BATCH, workers=0):
+    config = JobConfig()  # TorchTitan's defaults: [training.dataloader] num_workers = 0, ...
+    config.training.dataloader.num_workers = workers
+    config.training.dataset = "brown"
+    config.training.dataset_path = str(REPO / "data/brown")
+    config.training.seq_len, config.training.local_batch_size = SEQ, batch
+    return build_hymo_dataloader(world, rank, tokenizer, config)
+
+
+def take(dl, n):
+    it = iter(dl)
+    return [next(it)[1] for _ in range(n)], it
+
+
+def checkpoint(loaders):
+    """What DCP stores: every rank's state, gathered (done here without processes)."""
+    return pack_states([dl.local_state() for dl in loaders], len(loaders))
+
+
+def test_same_degree_resumes_exactly(tokenizer):
+    ranks = [loader(tokenizer, r, 2) for r in range(2)]
+    iters = [take(dl, 3)[1] for dl in ranks]
+    state = checkpoint(ranks)
+    expected = [next(it)[1] for it in iters]
+    for r in range(2):
+        resumed = loader(tokenizer, r, 2)
+        resumed.load_state_dict(state)
+        assert resumed.sequences_consumed == 3 * BATCH
+        assert torch.equal(next(iter(resumed))[1], expected[r])
+
+
+def without_documents(state):
+    """A checkpoint as HyMo wrote it before document positions were saved."""
+    import pickle
+
+    entry = pickle.loads(state["hymo_data"])
+    entry.pop("docs")
+    return {"hymo_data": pickle.dumps(entry)}
+
+
+def test_without_document_positions_two_ranks_into_one_continue_where_a_one_rank_run_would_be(
+        tokenizer):
+    ranks = [loader(tokenizer, r, 2) for r in range(2)]
+    for dl in ranks:
+        take(dl, 3)
+    state = without_documents(checkpoint(ranks))  # 2 ranks x 3 batches x 2 sequences = 12
+    resumed = loader(tokenizer, 0, 1)
+    resumed.load_state_dict(state)
+    assert resumed.sequences_consumed == 12
+    # an uninterrupted 1-rank run after 12 sequences (6 batches)
+    _, it = take(loader(tokenizer, 0, 1), 6)
+    following, _ = take(resumed, 2)
+    assert torch.equal(following[0], next(it)[1]) and torch.equal(following[1], next(it)[1])
+    # not what the 2-rank run would have read next
+    assert not torch.equal(following[0], next(iter(ranks[0]))[1])
+
+
+def test_without_document_positions_one_rank_into_two_splits_the_consumed_sequences(tokenizer):
+    single = loader(tokenizer, 0, 1)
+    take(single, 3)  # 6 sequences: each of 2 ranks skips 3
+    state = without_documents(checkpoint([single]))
+    for r in range(2):
+        resumed = loader(tokenizer, r, 2, batch=1)
+        resumed.load_state_dict(state)
+        _, it = take(loader(tokenizer, r, 2, batch=1), 3)
+        assert torch.equal(next(iter(resumed))[1], next(it)[1])
+
+
+def test_shard_bounds_are_the_split_torchtitan_makes():
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    for n, world in [(10, 1), (10, 2), (11, 2), (11, 3), (7, 4), (5, 4)]:
+        ds = Dataset.from_dict({"i": list(range(n))})
+        for rank in range(world):
+            start, end = shard_bounds(n, rank, world)
+            assert split_dataset_by_node(ds, rank, world)["i"] == list(range(start, end))
+
+
+def test_range_helpers():
+    assert take_ranges([(0, 4), (10, 12)], 5) == [(0, 4), (10, 11)]
+    assert take_ranges([(3, 5)], 0) == []
+    assert subtract_ranges((0, 10), [(2, 4), (3, 6), (9, 12)]) == [(0, 2), (6, 9)]
+    assert subtract_ranges((5, 8), [(0, 5), (8, 9)]) == [(5, 8)]
+    assert subtract_ranges((5, 8), [(0, 9)]) == []
+
+
+def documents(dl):
+    """How many documents of its shard the rank has pulled into its buffer."""
+    return dl.dataset._sample_idx
+
+
+def first_tokens(tokenizer, dl, doc, n=16):
+    """The first n tokens of shard-relative document `doc` as the dataset tokenizes it."""
+    text = dl.dataset._text_processor(dl.dataset._data[doc])
+    return tokenizer.encode(text, add_bos=True, add_eos=True)[:n]
+
+
+def test_two_ranks_into_one_read_exactly_the_unread_documents(tokenizer):
+    ranks = [loader(tokenizer, r, 2) for r in range(2)]
+    for dl in ranks:
+        take(dl, 3)
+    read = [documents(dl) for dl in ranks]  # documents pulled into each rank's buffer
+    n = sum(len(dl.dataset._data) for dl in ranks)
+    (s0, e0), (s1, e1) = shard_bounds(n, 0, 2), shard_bounds(n, 1, 2)
+    resumed = loader(tokenizer, 0, 1)
+    resumed.load_state_dict(checkpoint(ranks))
+    # rank 0's unread tail, then rank 1's: no document twice, none skipped
+    assert resumed.dataset._epoch_ranges == [(s0 + read[0], e0), (s1 + read[1], e1)]
+    first = next(iter(resumed))[0]["input"][0][:16].tolist()
+    assert first == first_tokens(tokenizer, resumed, s0 + read[0])
+
+
+def test_one_rank_into_two_splits_the_unread_documents(tokenizer):
+    single = loader(tokenizer, 0, 1)
+    take(single, 3)
+    k = documents(single)
+    n = len(single.dataset._data)
+    state = checkpoint([single])
+    for r in range(2):
+        resumed = loader(tokenizer, r, 2, batch=1)
+        resumed.load_state_dict(state)
+        start, end = shard_bounds(n, r, 2)
+        expected = [(max(start, k) - start, end - start)] if k < end else []
+        assert resumed.dataset._epoch_ranges == expected
+        # and the tokens: each rank's first sequence opens its first unread document
+        first = next(iter(resumed))[0]["input"][0][:16].tolist()
+        assert first == first_tokens(tokenizer, resumed, max(start, k) - start), r
+    assert k < shard_bounds(n, 0, 2)[1]  # rank 0 starts mid-shard, rank 1 at its start
+
+
+def test_a_resumed_epoch_resumes_again_exactly_and_then_reads_the_whole_shard(tokenizer):
+    ranks = [loader(tokenizer, r, 2) for r in range(2)]
+    for dl in ranks:
+        take(dl, 2)
+    once = loader(tokenizer, 0, 1)
+    once.load_state_dict(checkpoint(ranks))
+    _, it = take(once, 2)
+    state = checkpoint([once])  # same degree from here on
+    expected = next(it)[1]
+    again = loader(tokenizer, 0, 1)
+    again.load_state_dict(state)
+    assert torch.equal(next(iter(again))[1], expected)
+    # the epoch's last range ends; the next epoch reads the whole shard from its start: the
+    # token stream is document 3, then documents 0, 1, ...
+    ds = again.dataset
+    ds.continue_epoch([(3, 4)])
+    text = ds._text_processor
+    expected = sum((tokenizer.encode(text(ds._data[d]), add_bos=True, add_eos=True)
+                    for d in (3, 0, 1)), [])
+    stream, samples = [], iter(ds)
+    while len(stream) + SEQ + 1 <= len(expected):
+        x, label = next(samples)
+        stream += x["input"].tolist() + label[-1:].tolist()
+    assert len(stream) > len(expected) // 2 and stream == expected[:len(stream)]
+    assert ds._epoch_ranges is None
+
+
+def test_an_old_layout_is_refused_with_a_way_out(tokenizer):
+    dl = loader(tokenizer, 0, 1)
+    with pytest.raises(ValueError, match="exclude_from_loading dataloader"):
+        dl.load_state_dict({"dp_rank_0": b"", "world_size": 1})
+
+
+def test_a_changed_dataset_is_a_clear_error(tokenizer):
+    import pickle
+
+    ranks = [loader(tokenizer, r, 2) for r in range(2)]
+    entry = pickle.loads(checkpoint(ranks)["hymo_data"])
+    # a corpus 10 documents larger when the checkpoint was written (5 more per shard)
+    entry["docs"] = [(n + 5, read) for n, read in entry["docs"]]
+    with pytest.raises(RuntimeError, match="did the dataset change.*exclude_from_loading dataloader"):
+        loader(tokenizer, 0, 1).load_state_dict({"hymo_data": pickle.dumps(entry)})
+    entry["docs"][1] = (entry["docs"][1][0] + 3, entry["docs"][1][1])  # not a contiguous split
+    with pytest.raises(RuntimeError, match="contiguous split.*exclude_from_loading dataloader"):
+        loader(tokenizer, 0, 1).load_state_dict({"hymo_data": pickle.dumps(entry)})
+
+
+def test_with_worker_processes_no_document_positions_are_saved(tokenizer):
+    """The main process's dataset copy does not read when workers do: its position would be
+    wrong, so the checkpoint leaves it out and a DP-degree change uses the sequence fallback."""
+    import pickle
+
+    dl = loader(tokenizer, 0, 1, workers=1)
+    take(dl, 2)
+    assert dl.local_state()[3] is None
+    assert pickle.loads(checkpoint([dl])["hymo_data"])["docs"] is None

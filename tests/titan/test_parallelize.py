@@ -1,0 +1,48 @@
+"""parallelize_hymo refuses what it cannot do before touching the model."""
+
+from types import SimpleNamespace
+
+import pytest
+
+import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shim 1 first)
+from hymo_recipes.titan.parallelize import parallelize_hymo
+
+
+def _dims(**degrees):
+    d = dict(tp=1, cp=1, pp=1, ep=1, dp_replicate=1, dp_shard=2) | degrees
+    return SimpleNamespace(**d, dp_replicate_enabled=d["dp_replicate"] > 1,
+                           dp_shard_enabled=d["dp_shard"] > 1)
+
+
+def _job(ac_mode="none", cpu_offload=False, gdn_backend="flavor"):
+    return SimpleNamespace(activation_checkpoint=SimpleNamespace(mode=ac_mode),
+                           training=SimpleNamespace(enable_cpu_offload=cpu_offload),
+                           hymo=SimpleNamespace(gdn_backend=gdn_backend))
+
+
+@pytest.mark.parametrize("dims, job, message", [
+    (_dims(tp=2), _job(), "tensor-parallel"),
+    (_dims(cp=2), _job(), "context-parallel"),
+    (_dims(pp=2), _job(), "pipeline-parallel"),
+    (_dims(ep=2), _job(), "expert-parallel"),
+    (_dims(dp_replicate=2, dp_shard=1), _job(), "pure DDP"),
+    (_dims(), _job(ac_mode="memory_budget"), "memory_budget"),
+    (_dims(), _job(cpu_offload=True), "cpu_offload"),
+], ids=["tp", "cp", "pp", "ep", "ddp", "ac-budget", "offload"])
+def test_unsupported_setups_raise(dims, job, message):
+    with pytest.raises(NotImplementedError, match=message):
+        parallelize_hymo(model=None, parallel_dims=dims, job_config=job)
+
+
+def test_unapplied_gdn_backend_is_an_error():
+    model = SimpleNamespace(model_args=SimpleNamespace(gdn_backend="torch_chunk"))
+    with pytest.raises(ValueError, match="was not applied"):
+        parallelize_hymo(model, _dims(), _job(gdn_backend="triton"))
+
+
+def test_torch_chunk_backend_under_compile_is_a_clear_error():
+    model = SimpleNamespace(model_args=SimpleNamespace(gdn_backend="torch_chunk"))
+    job = _job()
+    job.compile = SimpleNamespace(enable=True, components=["model", "loss"])
+    with pytest.raises(ValueError, match="kept out of torch.compile"):
+        parallelize_hymo(model, _dims(), job)
