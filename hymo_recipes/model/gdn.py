@@ -92,9 +92,8 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; cu_seqlens [N+1] and positions [T] for packed rows (B = 1)."""
         B, T, _ = x.shape
-        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         if self.fused:
+            beta, g = self._gates(x)
             # the Triton backend: conv, SiLU, the q/k L2 norm and the recurrence in one op that
             # keeps only the projections for its backward; gated norm and o_proj in another
             o = conv_gated_delta_rule(
@@ -109,11 +108,18 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(q.view(B, T, -1, self.head_dim))
         k = l2_normalize(k.view(B, T, -1, self.head_dim))
         v = v.view(B, T, -1, self.v_head_dim)
+        beta, g = self._gates(x)
 
         o, _ = self._rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, **self._rule_kwargs)
         gate = self.g_proj(x).view(B, T, -1, self.v_head_dim)
         o = self.o_norm(o, gate).reshape(B, T, -1)
         return self.o_proj(o)
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """β = sigmoid(b_proj(x)) in x's dtype and g = log α = −exp(A_log)·softplus(a_proj(x) + dt_bias) in fp32."""
+        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        return beta, g
 
     @torch.no_grad()
     def init_weights(self, init_std: float, out_std: float) -> None:
