@@ -3,7 +3,8 @@
 #   ./run_train.sh                                          # debug model; 2 CPU processes without a GPU
 #   NGPU=1 CONFIG_FILE=train_configs/hymo_small.toml ./run_train.sh --training.steps 20
 #   LOG_RANK=0,1 NGPU=8 CONFIG_FILE=train_configs/hymo_750m.toml ./run_train.sh
-#   COMM_MODE=fake_backend ./run_train.sh                   # one process, config and model checks only
+#   CHECK=1 NGPU=8 CONFIG_FILE=train_configs/hymo_750m.toml ./run_train.sh   # config check, any machine
+#   COMM_MODE=fake_backend ./run_train.sh                   # one process, builds the model, one step
 # NGPU is the number of processes: by default one per visible GPU, or 2 CPU processes when
 # there is no GPU (FSDP2 over gloo). LOG_RANK: the ranks whose output is shown. TRAIN_FILE: the
 # module torchrun runs. Arguments after the script override the TOML (--section.key value);
@@ -16,6 +17,20 @@ for arg in "$@"; do
         -h|--help) exec python3 "$(dirname "$0")/hymo_recipes/titan/help.py" ;;
     esac
 done
+
+# The environment: python3 must import torch and hymo_recipes; else the repository's .venv is used
+# when there is one (said in one line), else the run stops saying how to make one.
+has_env() { "$1" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("hymo_recipes")))' 2>/dev/null; }
+if ! has_env python3; then
+    VENV="$(cd "$(dirname "$0")" && pwd)/.venv"
+    if [ -x "${VENV}/bin/python3" ] && has_env "${VENV}/bin/python3"; then
+        echo "run_train.sh: python3 ($(command -v python3 || echo none)) lacks torch or hymo_recipes; using ${VENV}" >&2
+        export PATH="${VENV}/bin:${PATH}" VIRTUAL_ENV="${VENV}"
+    else
+        echo "run_train.sh: python3 ($(command -v python3 || echo none)) cannot import torch and hymo_recipes, and there is no usable .venv: run ./scripts/setup.sh, then . .venv/bin/activate" >&2
+        exit 1
+    fi
+fi
 
 if [ -z "${NGPU:-}" ]; then
     if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -46,15 +61,20 @@ except (OSError, tomllib.TOMLDecodeError) as e:
 PYEOF
 
 set -x
-if [ -n "${COMM_MODE}" ]; then
+if [ -n "${CHECK:-}" ]; then
+    # The config check: preflight, model on the meta device, optimizer partition, memory per GPU
+    # at NGPU processes; no step, nothing written (hymo_recipes/titan/check.py)
+    NGPU="${NGPU}" python3 -m hymo_recipes.titan.check --job.config_file "${CONFIG_FILE}" "$@"
+elif [ -n "${COMM_MODE}" ]; then
     # One process pretends to be NGPU ranks: validates the config, builds the model, runs a
     # step. No checkpoint: DCP cannot plan a save over fake collectives.
     NGPU="${NGPU}" LOCAL_RANK=0 python3 -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" \
         "$@" --comm.mode="${COMM_MODE}" --training.steps=1 --checkpoint.no-enable
 else
-    # torchrun itself, minus its failure report after a config error the ranks already named
-    PYTORCH_ALLOC_CONF="expandable_segments:True" \
-    python3 "$(dirname "$0")/scripts/launch.py" --nproc_per_node="${NGPU}" \
+    # torchrun itself, minus its failure report after a config error the ranks already named;
+    # exec'd, so that a SIGTERM/SIGINT sent to this script reaches it (and a checkpoint is saved)
+    export PYTORCH_ALLOC_CONF="expandable_segments:True"
+    exec python3 "$(dirname "$0")/scripts/launch.py" --nproc_per_node="${NGPU}" \
         --rdzv_backend c10d --rdzv_endpoint="localhost:0" --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
         -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" "$@"
 fi

@@ -2,10 +2,10 @@
 
     python3 scripts/launch.py [torchrun arguments] -m hymo_recipes.train [training arguments]
 
-When every rank stops on a bad config (hymo_recipes.titan.train.parse_config), rank 0 has already
-printed the one line that names the setting; torchrun would add a ~40-line traceback and
-failure table that say nothing more. The ranks note their config errors in the file named by
-HYMO_CONFIG_ERROR_FILE, and this wrapper exits 1 quietly when the file is not empty. Any other
+When the ranks stop on a bad config (hymo_recipes.titan.train.parse_config), they note the one
+line that names the setting in the file named by HYMO_CONFIG_ERROR_FILE and exit 1; this wrapper
+then prints that line once and exits 1, where torchrun would add a ~40-line traceback and
+failure table that say nothing more. Any other
 failure gets torchrun's full report. Only torch is imported here (importing hymo_recipes.titan takes
 seconds)."""
 
@@ -15,10 +15,15 @@ import os
 import sys
 import tempfile
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 CONFIG_ERROR_FILE = "HYMO_CONFIG_ERROR_FILE"  # read by hymo_recipes.titan.train.parse_config
+# Where rank 0 notes that a SIGTERM/SIGINT stopped the run after a checkpoint
+# (hymo_recipes.titan.checkpoints): torchrun, signalled too, then exits 0 with that line instead
+# of its traceback.
+STOP_NOTE_FILE = "HYMO_STOP_NOTE_FILE"
 
 
 def nproc_per_node(argv: list[str]) -> str | None:
@@ -40,14 +45,29 @@ def main(argv: list[str]) -> int:
     fd, path = tempfile.mkstemp(prefix="hymo-config-error-")
     os.close(fd)
     os.environ[CONFIG_ERROR_FILE] = path
+    fd, stop_note = tempfile.mkstemp(prefix="hymo-stop-note-")
+    os.close(fd)
+    os.environ[STOP_NOTE_FILE] = stop_note
     try:
         torchrun(argv)
     except ChildFailedError:
         if os.path.getsize(path) == 0:
             raise
+        with open(path) as f:  # every rank noted the same error: show each distinct line once
+            for line in dict.fromkeys(f.read().splitlines()):
+                print(line, file=sys.stderr)
         return 1
+    except SignalException:
+        with open(stop_note) as f:
+            note = f.read().strip()
+        if not note:
+            raise
+        print(note, file=sys.stderr)
+        return 0
     finally:
         os.unlink(path)
+        os.unlink(stop_note)
+        os.environ.pop(STOP_NOTE_FILE)
         os.environ.pop(CONFIG_ERROR_FILE)  # else a later parse_config in this process writes a new file there
         if set_threads:
             os.environ.pop("OMP_NUM_THREADS", None)

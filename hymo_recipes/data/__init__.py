@@ -3,8 +3,8 @@ default corpus and tokenizer.
 
 - ``load_local(path, split)``: your own files: a ``.jsonl``, ``.json`` or ``.parquet`` file
   with a ``text`` column, a ``.txt`` file (one document per file), or a directory holding
-  ``train.<ext>`` / ``validation.<ext>`` (the prepared layout) or else files of one of those
-  kinds (all of them are read). ``data/brown``, as ``prepare`` writes it, is such a directory.
+  ``train.<ext>`` / ``validation.<ext>`` (the prepared layout: the split asked for must be
+  there) or else files of one of those kinds (all of them are read, for either split). ``data/brown``, as ``prepare`` writes it, is such a directory.
 - ``load_hub(path, split)``: a Hugging Face Hub dataset, streamed, with a ``text`` column.
 
 TorchTitan's dataset table names them (``brown``, ``local``, ``hf`` and their ``_validation``
@@ -18,6 +18,7 @@ from pathlib import Path
 from .prepare import DEFAULT_DATA_DIR, DEFAULT_TOKENIZER_DIR, PREPARE_COMMAND
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+SPLITS = ("train", "validation")  # the prepared layout's file stems
 PREPARE_HINT = f"prepare it with `{PREPARE_COMMAND}` (or ./scripts/setup.sh)"
 
 
@@ -31,6 +32,12 @@ def local_files(path: str, split: str) -> tuple[str, list[str]]:
         raise FileNotFoundError(f"dataset path {path!r} does not exist: {hint}")
     if p.is_dir():
         files = [f for f in sorted(p.iterdir()) if f.stem == split and f.suffix in FORMATS]
+        splits = sorted(f.name for f in p.iterdir() if f.stem in SPLITS and f.suffix in FORMATS)
+        if not files and splits:
+            # the prepared layout without this split: reading the other split's file instead
+            # would train (or validate) on the wrong documents
+            raise FileNotFoundError(f"dataset path {path!r} has {', '.join(splits)} but no {split}.<ext>: add "
+                                    f"{split}.<ext>, or point dataset_path at the {split} file itself")
         if not files:
             files = [f for f in sorted(p.iterdir()) if f.suffix in FORMATS]
     else:

@@ -32,6 +32,7 @@ import pickle
 from dataclasses import asdict
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from datasets import Dataset
 
@@ -82,9 +83,38 @@ class HymoTextDataset(HuggingFaceTextDataset):
     documents a resume with another DP degree still has to read); the next epoch reads the
     whole shard. The ranges are part of the saved state."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, allow_repeat: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._epoch_ranges: Ranges | None = None  # shard-relative, for the epoch in progress
+        self.allow_repeat = allow_repeat
+        self._repeat_warned = False
+
+    def __iter__(self):
+        """TorchTitan's loop (HuggingFaceTextDataset.__iter__), but an infinite dataset starts
+        another pass only when ``allow_repeat`` ([hymo] allow_data_repeat) says so, with one
+        warning for the run instead of one per pass; otherwise running out is an error."""
+        max_buffer_token_len = 1 + self.seq_len
+        while True:
+            for sample in self._get_data_iter():
+                sample_tokens = self._tokenizer.encode(self._text_processor(sample), add_bos=True, add_eos=True)
+                self._token_buffer.extend(sample_tokens)
+                self._sample_idx += 1
+                while len(self._token_buffer) >= max_buffer_token_len:
+                    x = torch.LongTensor(self._token_buffer[:max_buffer_token_len])
+                    self._token_buffer = self._token_buffer[max_buffer_token_len:]
+                    yield {"input": x[:-1]}, x[1:]
+            if not self.infinite:
+                logger.warning(f"Dataset {self.dataset_name} has run out of data")
+                break
+            if not self.allow_repeat:
+                raise RuntimeError(f"dataset {self.dataset_name} ran out of data after one pass: use more data or "
+                                   "fewer steps, or pass --hymo.allow_data_repeat to loop over it")
+            if not self._repeat_warned:
+                logger.warning(f"Dataset {self.dataset_name} is being re-looped (hymo.allow_data_repeat; said once)")
+                self._repeat_warned = True
+            self._sample_idx = 0
+            if not isinstance(self._data, Dataset) and hasattr(self._data, "set_epoch") and hasattr(self._data, "epoch"):
+                self._data.set_epoch(self._data.epoch + 1)
 
     @property
     def map_style(self) -> bool:
@@ -278,6 +308,7 @@ def build_hymo_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_confi
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         infinite=infinite,
+        allow_repeat=bool(getattr(getattr(job_config, "hymo", None), "allow_data_repeat", False)),
     )
     kwargs = {**asdict(training.dataloader), "batch_size": training.local_batch_size}
     return HymoDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)

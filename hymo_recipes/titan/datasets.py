@@ -16,10 +16,11 @@ BPE that ``prepare`` trains on the Brown train split.
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 
-from hymo_recipes.data import DEFAULT_DATA_DIR, DEFAULT_TOKENIZER_DIR, PREPARE_HINT, load_hub, load_local, local_files, text
+from hymo_recipes.data import DEFAULT_DATA_DIR, DEFAULT_TOKENIZER_DIR, PREPARE_COMMAND, PREPARE_HINT, load_hub, load_local, local_files, text
 from hymo_recipes.titan.api import DATASETS, DatasetConfig, HuggingFaceTokenizer
 
 for _name, _path, _loader in (("brown", DEFAULT_DATA_DIR, load_local),
@@ -51,7 +52,21 @@ def load_tokenizer(hf_assets_path: str) -> HuggingFaceTokenizer:
         hint = (PREPARE_HINT if path == Path(DEFAULT_TOKENIZER_DIR)
                 else "point [model] hf_assets_path at a directory holding an HF tokenizer.json")
         raise FileNotFoundError(f"no tokenizer.json in {str(path)!r} (model.hf_assets_path): {hint}")
-    tokenizer = HuggingFaceTokenizer(str(path))
+    hint = (f"restore it with `{PREPARE_COMMAND} --force`" if path == Path(DEFAULT_TOKENIZER_DIR)
+            else "restore it, or point [model] hf_assets_path at a directory with a valid tokenizer.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            json.loads(file.read_bytes())
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{file} (model.hf_assets_path) is not valid JSON ({e}): {hint}") from None
+    try:
+        tokenizer = HuggingFaceTokenizer(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's errors do not name the files
+        raise ValueError(f"the tokenizer in {str(path)!r} (model.hf_assets_path) cannot be loaded "
+                         f"({type(e).__name__}: {' '.join(str(e).split())}): {hint}") from None
     if tokenizer.eos_id is None:
         raise ValueError(f"the tokenizer in {str(path)!r} has no EOS token (tokenizer_config.json "
                          "eos_token): packed documents would run together without a separator")

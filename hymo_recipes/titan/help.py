@@ -21,6 +21,9 @@ ENVIRONMENT = (
     ("NGPU", "processes to start: one per visible GPU by default, 2 CPU processes (FSDP2 over "
              "gloo) when there is no GPU"),
     ("CONFIG_FILE", "the TOML to train with (default ./train_configs/debug_model.toml)"),
+    ("CHECK", "set (CHECK=1): check the config for NGPU processes on any machine, GPU-less included, without "
+              "training: data, tokenizer, model on the meta device, optimizer partition, memory per GPU "
+              "(hymo_recipes/titan/check.py)"),
     ("COMM_MODE", "fake_backend | local_tensor: one process pretends to be NGPU ranks, checks the "
                   "config, builds the model and runs one step (no checkpoint)"),
     ("LOG_RANK", "the ranks whose output is shown, comma-separated (default 0)"),
@@ -60,7 +63,7 @@ def render(width: int = 100) -> str:
     source = JOB_CONFIG.read_text()
     lines = ["Usage: [VAR=value ...] ./run_train.sh [--section.key value ...]",
              "Arguments after the script override the TOML (CLI > TOML > defaults); booleans are "
-             "--section.key / --section.no-key.", "", "Environment (run_train.sh):"]
+             "--section.key / --section.no-key (or --section.key=true / false).", "", "Environment (run_train.sh):"]
     for name, what in ENVIRONMENT:
         lines += textwrap.wrap(what, width, initial_indent=f"  {name:<12} ", subsequent_indent=" " * 15)
     lines += ["", "HyMo's options (hymo_recipes/titan/job_config.py):"]

@@ -45,10 +45,19 @@ class Hymo:
     forward in the backward: the least memory, a slower backward), or "flavor" to keep the
     flavor's. Memory and time of each: BENCHMARKS.md. Values other than "table" need
     gdn_backend "triton"."""
+    allow_data_repeat: bool = False
+    """Loop over the training (and validation) data when the run reads more than it holds. Off:
+    such a run stops before anything is built, naming the file (a local dataset), or when the
+    data runs out (a streamed one). On: one warning says how many passes the run makes."""
     nonfinite_probe: bool = False
     """Debugging: log, for each forward, the first module whose output is NaN/Inf while its
     inputs are finite (hymo_recipes/nonfinite_probe.py); with compile, which compiled block, and
     whether an eager replay of that block goes non-finite too. Syncs the device per module."""
+    checkpoint_on_signal: bool = True
+    """On SIGTERM or SIGINT (a preemption, Ctrl-C through torchrun) save a checkpoint at the end
+    of the step in progress and stop with exit code 0 (checkpointing on; hymo_recipes/titan/
+    checkpoints.py). torchrun gives its ranks 30 s after forwarding the signal
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) before it kills them. Off: the signal ends the run at once."""
 
 
 @dataclass

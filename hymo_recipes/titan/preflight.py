@@ -12,11 +12,17 @@ forward, or at the first validation) or with an error that does not name the set
 - this machine can run the GDN backend (the Triton kernel needs a GPU);
 - torch.compile is not asked of a backend that cannot be compiled (``parallelize``'s check);
 - the learning-rate schedule can be built for ``training.steps``;
-- a local dataset's files exist (training, and validation when it is on: its missing files
-  were found only after the model was built);
+- ``[optimizer]`` values are in the range torch's optimizers accept (a negative lr fails only
+  when the optimizers are built, after the model);
+- the batch sizes divide over the data-parallel ranks, and a local dataset's files exist, are
+  readable UTF-8 and hold what the run reads (data_checks.py; training, and validation when it is
+  on);
 - the checkpoint a resume would load is whole: its ``.metadata`` reads, and every shard file it
-  names is there and long enough. Step folders without ``.metadata`` (a save that was killed)
-  are skipped by TorchTitan; that is logged here, with the step that is loaded instead.
+  names is there and long enough; its manifest (checkpoints.py) names this run's tokenizer,
+  flavor and model shape, and every file has its recorded size and checksum. Step folders of
+  unfinished saves (no ``.metadata``, or no manifest) are skipped; that is logged here, with the
+  step that is loaded instead; async checkpointing is refused. A resume whose learning rate
+  would jump at its step (the total steps changed) gets one warning (resume_schedule.py).
 
 All raise ValueError with the setting to change; ``train.parse_config`` turns that into one line.
 The model args' own hook stays a pure function of the config: the file reads and machine probes
@@ -27,8 +33,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
-import re
 import types
 import typing
 
@@ -40,7 +46,10 @@ POSITIVE = ("training.local_batch_size", "training.seq_len", "checkpoint.interva
             "validation.seq_len", "validation.freq")
 
 
-def check_job_config(config) -> None:
+def check_job_config(config, *, this_machine: bool = True) -> None:
+    """Every check of the module docstring. ``this_machine=False`` (the config check,
+    check.py) leaves out the ones about the machine the check runs on: whether it can run the
+    GDN backend and compile it."""
     check_value_types(config)
     for name in POSITIVE:
         section, _, field = name.partition(".")
@@ -50,21 +59,40 @@ def check_job_config(config) -> None:
     if config.model.name == "hymo":
         from hymo_recipes.model import hymo_flavors
         from hymo_recipes.scheduler import wsd_schedule
-        from hymo_recipes.titan.datasets import check_dataset, load_tokenizer, set_vocab_size
+        from hymo_recipes.titan.data_checks import check_data, dp_degree
+        from hymo_recipes.titan.datasets import load_tokenizer, set_vocab_size
         from hymo_recipes.titan.parallelize import check_compile_backend
 
         if config.model.flavor not in hymo_flavors:
             raise ValueError(f"unknown [model] flavor {config.model.flavor!r}: HyMo has {', '.join(hymo_flavors)}")
-        set_vocab_size(config, load_tokenizer(config.model.hf_assets_path))
+        tokenizer = load_tokenizer(config.model.hf_assets_path)
+        set_vocab_size(config, tokenizer)
         args = copy.deepcopy(hymo_flavors[config.model.flavor])  # the Trainer updates its own copy
         args.update_from_config(config)
-        check_gdn_backend_runs(args.gdn_backend)
-        check_compile_backend(config, args.gdn_backend)
+        if this_machine:
+            check_gdn_backend_runs(args.gdn_backend)
+            check_compile_backend(config, args.gdn_backend)
+        check_optimizer_values(config.optimizer)
         wsd_schedule(config.lr_scheduler, config.training.steps)
-        check_dataset(config.training.dataset, config.training.dataset_path, "[training] dataset")
-        if config.validation.enable:
-            check_dataset(config.validation.dataset, config.validation.dataset_path, "[validation] dataset")
+        check_data(config, tokenizer, dp_degree(config))
     check_checkpoint_to_load(config)
+
+
+# [optimizer] values torch's optimizers reject only when they are built (after the model is)
+NONNEGATIVE = ("lr", "normuon_lr", "eps", "normuon_eps", "weight_decay", "normuon_weight_decay", "embed_weight_decay")
+BELOW_ONE = ("beta1", "beta2", "normuon_momentum", "normuon_beta2")
+
+
+def check_optimizer_values(cfg) -> None:
+    for name in NONNEGATIVE + BELOW_ONE:
+        value = getattr(cfg, name, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (name in BELOW_ONE and value >= 1):
+            bounds = "in [0, 1)" if name in BELOW_ONE else "a finite number, at least 0"
+            raise ValueError(f"optimizer.{name} = {value!r} must be {bounds}")
+    if getattr(cfg, "normuon_ns_steps", 1) < 1:
+        raise ValueError(f"optimizer.normuon_ns_steps = {cfg.normuon_ns_steps} must be at least 1")
 
 
 def check_gdn_backend_runs(backend: str) -> None:
@@ -125,30 +153,41 @@ def _hint_name(hint) -> str:
 
 
 def check_checkpoint_to_load(config) -> None:
+    """The step a resume loads (checkpoints.plan_resume: the newest with a manifest; unfinished
+    saves skipped with a warning) is whole and was written for this run (checkpoints.py)."""
+    from hymo_recipes.titan import checkpoints
+
     ck = config.checkpoint
+    if ck.enable and ck.async_mode.lower() != "disabled":
+        raise ValueError(f"checkpoint.async_mode = {ck.async_mode!r} is not supported: HyMo writes a checkpoint's "
+                         "checksummed manifest once every rank has finished saving it, which an async save does not "
+                         'report; use "disabled"')
     folder = os.path.join(config.job.dump_folder, ck.folder)
-    if not ck.enable or not os.path.isdir(folder):
+    plan = checkpoints.plan_resume(folder, ck.load_step) if ck.enable else None
+    if plan is None or not plan.exists:
+        return  # nothing to resume, or TorchTitan names the missing step itself
+    target = plan.target
+    if plan.skipped:
+        reasons = "; ".join(f"step-{s}: {why}" for s, why in plan.skipped)
+        logger.warning(f"checkpoint folder(s) {', '.join(f'step-{s}' for s, _ in plan.skipped)} in {folder} are "
+                       f"skipped ({reasons}): "
+                       f"{f'resuming from step-{target}' if target is not None else 'no whole checkpoint, starting afresh'}"
+                       " (--checkpoint.load_step N loads a skipped one that has .metadata, unchecked)")
+    if target is None:
         return
-    steps = {int(m.group(1)): os.path.join(folder, name)
-             for name in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))}
-    # what TorchTitan's _find_load_step counts as a checkpoint: DCP's .metadata, or an HF index
-    whole = sorted(s for s, path in steps.items()
-                   if any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", "model.safetensors.index.json")))
-    if ck.load_step != -1:
-        target = ck.load_step
-        if target not in whole:
-            return  # TorchTitan names the missing folder itself
-    elif not whole:
-        target = None
-    else:
-        target = whole[-1]
-    skipped = sorted(s for s in steps if s not in whole and (target is None or s > target))
-    if skipped:
-        logger.warning(f"checkpoint folder(s) {', '.join(f'step-{s}' for s in skipped)} in {folder} have no .metadata "
-                       f"(a save that did not finish) and are skipped: "
-                       f"{f'resuming from step-{target}' if target is not None else 'no whole checkpoint, starting afresh'}")
-    if target is not None and os.path.isfile(os.path.join(steps[target], ".metadata")):
-        check_dcp_checkpoint(steps[target], earlier=[s for s in whole if s < target])
+    if plan.unchecked:
+        logger.warning(f"resuming from step-{target} in {folder} unchecked: {plan.unchecked}; the tokenizer, model "
+                       "shape and file checksums cannot be compared with this run's")
+    earlier = checkpoints.whole_earlier(plan)
+    if os.path.isfile(os.path.join(plan.path, ".metadata")):
+        check_dcp_checkpoint(plan.path, earlier=earlier)
+    if not plan.unchecked:
+        # every rank compares identity and sizes; the run's first rank also reads every byte
+        checkpoints.check_manifest(plan.path, config, earlier, checksums=os.environ.get("RANK", "0") == "0")
+    if os.path.isfile(os.path.join(plan.path, ".metadata")):
+        from hymo_recipes.titan.resume_schedule import check_schedule_continues
+
+        check_schedule_continues(config, plan.path)  # a warning if the lr would jump at this step
 
 
 def check_dcp_checkpoint(path: str, earlier: list[int] = ()) -> None:

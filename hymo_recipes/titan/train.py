@@ -14,6 +14,9 @@ torchtitan.train`` in these ways:
   tokenizer, schedule, a damaged checkpoint to resume from) ends with one ``hymo: invalid job
   config`` line instead of a traceback, before anything is built;
 - every Trainer gets builders of its own (``build_trainer``; spec.py);
+- the run holds its dump folder's lock from before the checks to its end (run_lock.py); each
+  checkpoint gets a checksummed manifest, a resume loads the step the preflight checked, and
+  SIGTERM/SIGINT saves a checkpoint at the next step boundary and ends the run (checkpoints.py);
 - the terminal shows a few-line model summary instead of the model args as JSON, without the
   notices that do not apply to the run (``console.py``);
 - under torchrun a rank ends when its launcher dies; and the arguments can be passed in.
@@ -30,7 +33,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from hymo_recipes.titan import console, cpu_shims, job_config
+from hymo_recipes.titan import checkpoints, cli, console, cpu_shims, job_config, run_lock
 from hymo_recipes.titan.api import ConfigManager, JobConfig, Trainer, init_logger, logger, train_spec_module
 from hymo_recipes.titan.preflight import check_job_config
 from hymo_recipes.titan.spec import get_train_spec
@@ -45,19 +48,35 @@ def config_manager() -> ConfigManager:
     return ConfigManager(ConfigManager._merge_configs(JobConfig, job_config.JobConfig))
 
 
-def parse_config(args: list[str]):
+def parse_config(args: list[str], *, this_machine: bool = True, lock: bool = False):
     """TorchTitan's ConfigManager (CLI > TOML > defaults) and HyMo's checks before the Trainer
-    starts (preflight.py), with their errors made one line."""
+    starts (preflight.py), with their errors, tyro's included (cli.py), made one line.
+    ``this_machine``: whether to check that this machine can run the config (check.py: no).
+    ``lock``: take the dump folder's lock (run_lock.py) before the checks, which read it."""
     try:
-        config = config_manager().parse_args(args)
-        check_job_config(config)
+        manager = config_manager()
+        with cli.one_line_errors():
+            config = manager.parse_args(cli.bool_flags(args, manager.config_cls))
+        if lock:
+            run_lock.acquire_for_run(config)
+        check_job_config(config, this_machine=this_machine)
+    except run_lock.RunLockError as e:
+        _config_error(f"hymo: {e}")
     except (FileNotFoundError, tomllib.TOMLDecodeError, ValueError, NotImplementedError) as e:
-        message = f"hymo: invalid job config ({' '.join(args)}): {e}"
-        if note := os.environ.get(CONFIG_ERROR_FILE):
-            with open(note, "a") as f:
-                f.write(message + "\n")
-        raise SystemExit(message) from None
+        _config_error(f"hymo: invalid job config ({' '.join(args)}): {e}")
     return config
+
+
+def _config_error(message: str):
+    """Stops this process on an error found before training. Under the launcher
+    (scripts/launch.py) the message goes to its note file and the launcher prints it once, without
+    torchrun's report: a rank that printed it itself could be stopped by torchrun before its
+    output appeared, when another rank failed first."""
+    if note := os.environ.get(CONFIG_ERROR_FILE):
+        with open(note, "a") as f:
+            f.write(message + "\n")
+        raise SystemExit(1)
+    raise SystemExit(message)
 
 
 @contextlib.contextmanager
@@ -108,10 +127,11 @@ def main(args: list[str] | None = None) -> None:
     console.quiet(cpu=cpu_shims.no_accelerator())
     die_with_launcher()
     cpu_shims.install()
-    config = parse_config(sys.argv[1:] if args is None else args)
+    config = parse_config(sys.argv[1:] if args is None else args, lock=True)
     trainer: Trainer | None = None
     try:
         trainer = build_trainer(config)
+        checkpoints.SaveGuard(trainer, config).install()  # manifests, resume choice, full disk, SIGTERM
         if config.comm.mode == "local_tensor":
             logger.info("Local tensor mode enabled - skipping training execution")
             return
@@ -135,6 +155,8 @@ def main(args: list[str] | None = None) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
+    finally:
+        run_lock.release_for_run()
 
 
 if __name__ == "__main__":

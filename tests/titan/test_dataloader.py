@@ -178,6 +178,7 @@ def test_a_resumed_epoch_resumes_again_exactly_and_then_reads_the_whole_shard(to
     # the epoch's last range ends; the next epoch reads the whole shard from its start: the
     # token stream is document 3, then documents 0, 1, ...
     ds = again.dataset
+    ds.allow_repeat = True  # a next epoch is a second pass over the data ([hymo] allow_data_repeat)
     ds.continue_epoch([(3, 4)])
     text = ds._text_processor
     expected = sum((tokenizer.encode(text(ds._data[d]), add_bos=True, add_eos=True)

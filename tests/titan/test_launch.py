@@ -80,9 +80,16 @@ def test_parse_config_notes_its_error_for_the_launcher(tmp_path, monkeypatch):
     note = tmp_path / "note"
     note.write_text("")
     monkeypatch.setenv("HYMO_CONFIG_ERROR_FILE", str(note))
-    with pytest.raises(SystemExit, match="unknown \\[model\\] flavor 'nope'"):
-        parse_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "nope"])
+    args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "nope"]
+    # under the launcher: the line goes to the note (the launcher prints it once), the rank exits 1
+    with pytest.raises(SystemExit) as stop:
+        parse_config(args)
+    assert stop.value.code == 1
     assert "unknown [model] flavor 'nope'" in note.read_text()
+    # on its own (no launcher): the rank says it
+    monkeypatch.delenv("HYMO_CONFIG_ERROR_FILE")
+    with pytest.raises(SystemExit, match="unknown \\[model\\] flavor 'nope'"):
+        parse_config(args)
 
 
 def test_run_train_sh_reports_a_config_error_in_one_line(tmp_path):

@@ -82,7 +82,7 @@ def test_unknown_hymo_key_names_the_key(tmp_path):
 
 
 HYMO_TOML = ('[model]\nname = "hymo"\nflavor = "debugmodel"\nhf_assets_path = "./assets/tokenizer"\n'
-             '[training]\ndataset = "brown"\nseq_len = 64\n[lr_scheduler]\nwarmup_fraction = 0.1\nstable_fraction = 0.75\n')
+             '[training]\ndataset = "brown"\nseq_len = 64\nsteps = 10\n[lr_scheduler]\nwarmup_fraction = 0.1\nstable_fraction = 0.75\n')
 
 
 def test_hymo_section_parses_and_each_knob_is_validated_once(tmp_path):

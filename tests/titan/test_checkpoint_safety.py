@@ -1,0 +1,373 @@
+"""Checkpoints that resume safely (hymo_recipes/titan/checkpoints.py) and one run per dump folder
+(run_lock.py): each fault injected here must be named in one line, or skipped with a warning.
+
+The fast tests drive ``SaveGuard`` around a stand-in checkpointer that saves with DCP in this
+process; the slow ones run ./run_train.sh with two processes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shim 1 first)
+from hymo_recipes.titan import checkpoints, preflight, run_lock
+from hymo_recipes.titan.train import parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]
+
+
+class FakeCheckpointer:
+    """What SaveGuard uses of TorchTitan's CheckpointManager; saves a small state with DCP."""
+
+    def __init__(self, folder: Path, interval: int = 2, numel: int = 4096):
+        self.enable, self.load_only, self.folder, self.interval, self.numel = True, False, str(folder), interval, numel
+
+    def _create_checkpoint_id(self, step, folder=""):
+        return os.path.join(folder or self.folder, f"step-{step}")
+
+    def _should_save(self, step, last_step=False):
+        return last_step or step % self.interval == 0
+
+    def _find_load_step(self, folder=""):
+        return -2
+
+    def save(self, step, last_step=False):
+        if self._should_save(step, last_step):
+            dcp.save({"w": torch.arange(float(self.numel)) + step, "b": torch.ones(64)},
+                     checkpoint_id=self._create_checkpoint_id(step))
+
+
+class FakeTrainer:
+    def __init__(self, ck):
+        self.checkpointer, self.device = ck, torch.device("cpu")
+        self.should_continue_training = lambda: True
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_handlers():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+def _config(dump: Path, *extra: str):
+    return parse_config(DEBUG + ["--job.dump_folder", str(dump), *extra])
+
+
+def _train(dump: Path, steps: int, *extra: str, on_signal: bool = False, numel: int = 4096):
+    """`steps` steps of a stand-in run (a checkpoint every 2nd step and at the last) through SaveGuard."""
+    config = _config(dump, *extra)
+    config.hymo.checkpoint_on_signal = on_signal
+    ck = FakeCheckpointer(dump / "checkpoint", numel=numel)
+    trainer = FakeTrainer(ck)
+    guard = checkpoints.SaveGuard(trainer, config).install()
+    for step in range(1, steps + 1):
+        ck.save(step, last_step=step == steps)
+        if not trainer.should_continue_training():
+            break
+    return guard, trainer, ck
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    dump = tmp_path / "out"
+    _train(dump, 4)
+    return dump, dump / "checkpoint"
+
+
+def test_manifest_is_written_last_with_identity_and_checksums(run_dir, caplog):
+    dump, folder = run_dir
+    for step in (2, 4):
+        names = sorted(p.name for p in (folder / f"step-{step}").iterdir())
+        assert names == [".metadata", "__0_0.distcp", checkpoints.MANIFEST]  # the marker is gone
+        manifest = json.loads((folder / f"step-{step}" / checkpoints.MANIFEST).read_text())
+        assert manifest["step"] == step and set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+        assert manifest["identity"]["flavor"] == "debugmodel"
+        assert manifest["identity"]["tokenizer"]["vocab_size"] == 8192
+        assert manifest["identity"]["shape"]["dim"] == 256
+    with caplog.at_level("WARNING"):
+        _config(dump)  # the preflight checks step-4: nothing to say
+    assert "step-" not in caplog.text
+
+
+def _tokenizer_copy(tmp_path: Path) -> Path:
+    """assets/tokenizer with the ids of two tokens swapped: same vocabulary size, other meaning."""
+    copy = tmp_path / "tokenizer"
+    shutil.copytree(REPO / "assets" / "tokenizer", copy)
+    spec = json.loads((copy / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "the", "of"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (copy / "tokenizer.json").write_text(json.dumps(spec))
+    return copy
+
+
+def test_another_tokenizer_of_the_same_size_stops_the_resume(run_dir, tmp_path):
+    dump, _ = run_dir
+    other = _tokenizer_copy(tmp_path)
+    with pytest.raises(SystemExit, match=r"step-4 was trained with tokenizer [0-9a-f]{16} \(vocab 8192, from "
+                                         r".*\), this run has [0-9a-f]{16} \(vocab 8192, from .*tokenizer\): point "
+                                         r"--model.hf_assets_path at the original or start a new dump folder"):
+        _config(dump, "--model.hf_assets_path", str(other))
+
+
+def test_another_flavor_or_shape_stops_the_resume(run_dir):
+    dump, _ = run_dir
+    with pytest.raises(SystemExit, match="step-4 was trained with flavor 'debugmodel', this run builds 'small': "
+                                         "resume with --model.flavor debugmodel"):
+        _config(dump, "--model.flavor", "small", "--hymo.gdn_backend", "torch_chunk")
+    with pytest.raises(SystemExit, match=r"step-4 holds a debugmodel model of another shape than this run's "
+                                         r"\(vocab_size 8192 vs 9000; checkpoint vs run\)"):
+        _config(dump, "--hymo.vocab_size", "9000")
+
+
+def test_a_shard_overwritten_at_the_same_length_names_itself_and_the_step_before(run_dir):
+    dump, folder = run_dir
+    shard = folder / "step-4" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * 16)
+    assert shard.stat().st_size == size
+    with pytest.raises(SystemExit, match=r"checkpoint .*step-4 is damaged: __0_0.distcp does not match its checksum "
+                                         r"in hymo_manifest.json .*--checkpoint.load_step 2 \(whole: 2\)"):
+        _config(dump)
+    _config(dump, "--checkpoint.load_step", "2")  # the step named is whole
+
+
+def test_a_step_without_its_manifest_is_skipped_and_old_checkpoints_still_resume(run_dir, caplog):
+    dump, folder = run_dir
+    (folder / "step-4" / checkpoints.MANIFEST).unlink()
+    with caplog.at_level("WARNING"):
+        _config(dump)
+    assert "step-4 in" in caplog.text and "no hymo_manifest.json" in caplog.text and "resuming from step-2" in caplog.text
+    guard, trainer, ck = _train(dump, 0)
+    assert ck._find_load_step() == 2  # what TorchTitan loads
+    # a folder where no step has a manifest: written before manifests; the newest resumes, unchecked
+    (folder / "step-2" / checkpoints.MANIFEST).unlink()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _config(dump)
+    assert "resuming from step-4" in caplog.text and "unchecked" in caplog.text
+    assert _train(dump, 0)[2]._find_load_step() == 4
+
+
+def test_a_save_killed_before_its_manifest_is_skipped(run_dir, caplog):
+    dump, folder = run_dir
+    shutil.copytree(folder / "step-4", folder / "step-6")  # DCP finished: shards and .metadata
+    (folder / "step-6" / checkpoints.MANIFEST).unlink()
+    (folder / "step-6" / checkpoints.SAVING).write_text("{}")
+    with caplog.at_level("WARNING"):
+        _config(dump)
+    assert "step-6 in" in caplog.text and "a save that did not finish" in caplog.text and "resuming from step-4" in caplog.text
+    assert _train(dump, 0)[2]._find_load_step() == 4
+
+
+def _real_write_item():
+    import torch.distributed.checkpoint.filesystem as fs
+
+    return fs, fs._write_item
+
+
+@pytest.mark.parametrize("how", ["oserror", "short_write", "manifest"])
+def test_a_full_disk_during_a_save_is_named_and_the_previous_checkpoint_kept(run_dir, monkeypatch, how):
+    dump, folder = run_dir
+    fs, write_item = _real_write_item()
+
+    def full(*args, **kwargs):
+        if how in ("oserror", "manifest"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        # what a rank sees of another rank's full disk: PyTorchStreamWriter's message, the OSError lost
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    if how == "manifest":
+        monkeypatch.setattr(checkpoints.json, "dump", lambda *a, **k: full())  # the manifest's write
+    else:
+        monkeypatch.setattr(fs, "_write_item", full)
+    config = _config(dump)
+    ck = FakeCheckpointer(folder)
+    checkpoints.SaveGuard(FakeTrainer(ck), config).install()
+    reason = "disk full or over quota \\(a short write; .* MiB free there\\)" if how == "short_write" else "disk full"
+    with pytest.raises(checkpoints.CheckpointSaveError,
+                       match=f"^{reason} while saving step 6 to {folder}: the previous checkpoint \\(step 4\\) is kept"):
+        ck.save(6)
+    monkeypatch.undo()
+    assert (folder / "step-6" / checkpoints.SAVING).is_file()
+    assert checkpoints.plan_resume(str(folder)).target == 4
+    _config(dump)  # step-4 passes its checks; step-6 is skipped
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_really_full_disk(tmp_path):
+    """The same on a real filesystem that fills up: a 400 KiB tmpfs, checkpoints of ~260 KiB
+    (needs the right to mount, as root in a container)."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "400k"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(checkpoints.CheckpointSaveError,
+                           match=f"^disk full while saving step 4 to {disk}/checkpoint: the previous checkpoint "
+                                 r"\(step 2\) is kept"):
+            _train(disk, 4, numel=64_000)
+        assert checkpoints.plan_resume(str(disk / "checkpoint")).target == 2
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_sigterm_saves_at_the_next_step_boundary_and_stops(tmp_path):
+    config = _config(tmp_path / "out")
+    ck = FakeCheckpointer(tmp_path / "out" / "checkpoint")
+    trainer = FakeTrainer(ck)
+    guard = checkpoints.SaveGuard(trainer, config).install()  # checkpoint_on_signal: on by default
+    ck.save(1)
+    os.kill(os.getpid(), signal.SIGTERM)  # during step 2
+    assert trainer.should_continue_training()
+    ck.save(2 + 1)  # step 3 is not a checkpoint step: saved because of the signal
+    assert guard.stopped_at == 3 and not trainer.should_continue_training()
+    assert (tmp_path / "out" / "checkpoint" / "step-3" / checkpoints.MANIFEST).is_file()
+    assert not (tmp_path / "out" / "checkpoint" / "step-1").exists()
+    config.hymo.checkpoint_on_signal = False  # off: the signal handlers stay as they are
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    checkpoints.SaveGuard(FakeTrainer(FakeCheckpointer(tmp_path / "b")), config).install()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_async_checkpointing_is_refused():
+    with pytest.raises(SystemExit, match="checkpoint.async_mode = 'async' is not supported"):
+        parse_config(DEBUG + ["--checkpoint.async_mode", "async"])
+
+
+# -- the run lock ------------------------------------------------------------------------------
+
+_HOLD = ("import sys, time; from hymo_recipes.titan.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
+         "print('held', flush=True); time.sleep(60)")
+_TAKE = "import sys; from hymo_recipes.titan.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('took')"
+
+
+def test_a_second_process_stops_while_the_first_holds_the_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = subprocess.run([sys.executable, "-c", _TAKE, str(tmp_path)], capture_output=True, text=True)
+        assert second.returncode != 0
+        assert (f"RunLockError: dump folder {tmp_path} is in use by another run (pid {holder.pid} on "
+                f"{socket.gethostname()}") in second.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder was killed: its lock file stays, its lock does not; the next run takes over
+    assert json.loads((tmp_path / run_lock.LOCK_NAME).read_text())["pid"] == holder.pid
+    again = subprocess.run([sys.executable, "-c", _TAKE, str(tmp_path)], capture_output=True, text=True)
+    assert again.returncode == 0 and "took" in again.stdout
+    assert f"stale lock {tmp_path}/run.lock taken over: pid {holder.pid}" in again.stderr
+    assert "is not running" in again.stderr
+
+
+def test_a_stale_lock_file_of_a_dead_pid_is_taken_over_and_released(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "hostname": socket.gethostname()}))
+    lock = run_lock.RunLock(str(tmp_path))
+    with caplog.at_level("WARNING"):
+        lock.acquire()
+    assert f"pid {dead.pid} on {socket.gethostname()}" in caplog.text and "is not running" in caplog.text
+    assert json.loads((tmp_path / run_lock.LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / run_lock.LOCK_NAME).exists()
+
+
+def test_a_lock_file_of_a_live_pid_without_its_lock_is_not_taken(tmp_path):
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({"pid": alive.pid, "hostname": socket.gethostname()}))
+        with pytest.raises(run_lock.RunLockError, match=f"lock file .* of pid {alive.pid} on this host, which is running"):
+            run_lock.RunLock(str(tmp_path)).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+# -- through run_train.sh, two processes ------------------------------------------------------
+
+def _env():
+    env = dict(os.environ, NGPU="2", CONFIG_FILE="train_configs/debug_model.toml")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _run(dump: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["./run_train.sh", "--job.dump_folder", str(dump), "--validation.no-enable", *extra],
+                          cwd=REPO, env=_env(), capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_second_run_stops_in_one_line_and_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
+    dump, log = tmp_path / "run", tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(dump), "--validation.no-enable",
+                                  "--training.steps", "40"], cwd=REPO, env=_env(), stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "step:  2" not in log.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        holder = json.loads((dump / run_lock.LOCK_NAME).read_text())["pid"]
+        second = _run(dump, "--training.steps", "2")
+        assert second.returncode != 0
+        output = second.stdout + second.stderr
+        assert f"hymo: dump folder {dump.resolve()} is in use by another run (pid {holder} on" in output, output[-3000:]
+        assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
+        os.killpg(first.pid, signal.SIGTERM)  # what a scheduler's preemption does
+        assert first.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    text = log.read_text()
+    stopped = [line for line in text.splitlines() if "hymo: stopped by SIGTERM after step" in line]
+    assert stopped, text[-3000:]
+    step = int(stopped[-1].split("after step ")[1].split(":")[0])
+    assert 2 <= step < 40
+    saved = dump / "checkpoint" / f"step-{step}"
+    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", checkpoints.MANIFEST]
+    assert not (dump / run_lock.LOCK_NAME).exists()
+    resumed = _run(dump, "--training.steps", str(step + 1))
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert f"Training starts at step {step + 1}" in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.slow
+def test_a_full_disk_in_a_real_run_keeps_the_previous_checkpoint(tmp_path):
+    """Two processes on a 100 MiB tmpfs: step 1's checkpoint (~60 MB) fits, step 2's does not."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "100m"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run = _run(disk, "--training.steps", "3", "--checkpoint.interval", "1", "--metrics.no-enable_tensorboard")
+        output = run.stdout + run.stderr
+        assert run.returncode != 0
+        assert (f"disk full while saving step 2 to {disk}/checkpoint: the previous checkpoint (step 1) is kept"
+                in output), output[-4000:]
+        assert checkpoints.plan_resume(str(disk / "checkpoint")).target == 1
+        assert not (disk / run_lock.LOCK_NAME).exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
