@@ -9,6 +9,15 @@
 # there is no GPU (FSDP2 over gloo). LOG_RANK: the ranks whose output is shown. TRAIN_FILE: the
 # module torchrun runs. Arguments after the script override the TOML (--section.key value);
 # ./run_train.sh --help lists these variables and HyMo's options.
+# Several nodes: run the script once on every node, NGPU processes each (scripts/multinode_train.slurm
+# does it under SLURM). NNODES (default 1) nodes; the rendezvous is either static, MASTER_ADDR
+# (+ MASTER_PORT, default 29500) of node 0 with NODE_RANK (default 0) this node's rank, or c10d
+# at RDZV_ENDPOINT=host[:port] (+ RDZV_ID, default hymo), which numbers the nodes itself:
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 NGPU=8 CONFIG_FILE=... ./run_train.sh   # on node0
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 MASTER_PORT=29500 NGPU=8 CONFIG_FILE=... ./run_train.sh   # on node1
+#   NNODES=2 RDZV_ENDPOINT=node0:29400 RDZV_ID=job42 NGPU=8 CONFIG_FILE=... ./run_train.sh         # on each node
+# Unset (NNODES=1): the single-node launch above, unchanged. With NNODES > 1, CHECK and
+# COMM_MODE check NNODES x NGPU processes.
 set -euo pipefail
 
 # --help: the variables above and HyMo's options, without starting anything
@@ -45,6 +54,36 @@ CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
 TRAIN_FILE=${TRAIN_FILE:-"hymo_recipes.train"}
 COMM_MODE=${COMM_MODE:-""}
 
+# Several nodes: bad values fail here, in one line, before torchrun starts (and waits for nodes
+# that never come).
+fail() { echo "run_train.sh: $*" >&2; exit 1; }
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+[[ "${NNODES}" =~ ^[1-9][0-9]*$ ]] || fail "NNODES=${NNODES} is not a positive integer (the number of nodes)"
+[[ "${NODE_RANK}" =~ ^(0|[1-9][0-9]*)$ ]] || fail "NODE_RANK=${NODE_RANK} is not a non-negative integer (this node's rank)"
+[ "${NODE_RANK}" -lt "${NNODES}" ] || fail "NODE_RANK=${NODE_RANK} must be below NNODES=${NNODES} (nodes 0 .. $((NNODES - 1)))"
+if [ "${NNODES}" -eq 1 ]; then
+    # one node: torchrun's own local rendezvous on a free port
+    RDZV_ARGS=(--rdzv_backend c10d --rdzv_endpoint="localhost:0")
+elif [ -n "${CHECK:-}" ] || [ -n "${COMM_MODE}" ]; then
+    # no launch: the check and the fake-backend step see the whole job's process count
+    [[ "${NGPU}" =~ ^[1-9][0-9]*$ ]] || fail "NGPU=${NGPU} is not a positive integer (processes per node)"
+    NGPU=$((NNODES * NGPU))
+elif [ -n "${RDZV_ENDPOINT:-}" ]; then
+    # c10d: the agent on the endpoint's host serves the rendezvous and the nodes get their ranks
+    # in the order it sorts them (torchrun ignores --node_rank here, so it is not passed)
+    RDZV_ARGS=(--nnodes="${NNODES}" --rdzv_backend c10d --rdzv_endpoint="${RDZV_ENDPOINT}" --rdzv_id="${RDZV_ID:-hymo}")
+elif [ -n "${MASTER_ADDR:-}" ]; then
+    # static: node 0 serves the store at MASTER_ADDR:MASTER_PORT, every node says its rank
+    MASTER_PORT=${MASTER_PORT:-29500}
+    [[ "${MASTER_PORT}" =~ ^[1-9][0-9]*$ ]] && [ "${MASTER_PORT}" -le 65535 ] \
+        || fail "MASTER_PORT=${MASTER_PORT} is not a port number (1-65535)"
+    RDZV_ARGS=(--nnodes="${NNODES}" --node_rank="${NODE_RANK}" --rdzv_backend static
+               --master_addr="${MASTER_ADDR}" --master_port="${MASTER_PORT}")
+else
+    fail "NNODES=${NNODES} needs a rendezvous all nodes reach: MASTER_ADDR (+ MASTER_PORT, NODE_RANK) of node 0, or RDZV_ENDPOINT=host:port"
+fi
+
 # A missing or malformed TOML fails here, in one line, not inside every rank's traceback.
 # (Unknown keys need TorchTitan's config classes: the trainer reports those.)
 python3 - "${CONFIG_FILE}" <<'PYEOF'
@@ -75,6 +114,6 @@ else
     # exec'd, so that a SIGTERM/SIGINT sent to this script reaches it (and a checkpoint is saved)
     export PYTORCH_ALLOC_CONF="expandable_segments:True"
     exec python3 "$(dirname "$0")/scripts/launch.py" --nproc_per_node="${NGPU}" \
-        --rdzv_backend c10d --rdzv_endpoint="localhost:0" --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+        "${RDZV_ARGS[@]}" --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
         -m "${TRAIN_FILE}" --job.config_file "${CONFIG_FILE}" "$@"
 fi

@@ -14,7 +14,9 @@ and ``llama3`` model tables:
   of 128, 5 KV heads).
 - ``*_tiny`` versions of each for the CPU dry run.
 
-Every flavor's vocabulary is 8,192 (the embedded Brown tokenizer's). The timer wraps the
+Every flavor's vocabulary is 8,192 (the embedded Brown tokenizer's). The peers' TrainSpecs are
+TorchTitan's with HyMo's dataloader, and every run trains through HyMo's train step
+(hymo_recipes/titan/trainer.py): the runs differ only in the model and its optimizer. The timer wraps the
 Trainer's optimizer step in CUDA events (host clock on CPU) and logs one line per step,
 ``bench: optimizer_step_ms=<ms>``, read back by train_bench; the elapsed time of step n is
 read at step n + 1, so it adds no device synchronisation.
@@ -22,6 +24,9 @@ read at step n + 1, so it adds no device synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 import time
 
 import torch
@@ -33,7 +38,11 @@ from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.moe import MoEArgs
 from torchtitan.tools.logging import logger
+from torchtitan.protocols import train_spec as train_spec_module
 from torchtitan.train import Trainer
+
+from hymo_recipes.titan.dataloader import build_hymo_dataloader
+from hymo_recipes.titan.trainer import HymoTrainer
 
 VOCAB = 8192
 
@@ -97,16 +106,27 @@ class _OptimizerTimer:
         return out
 
 
-_train_step = Trainer.train_step
+def _timed(train_step):
+    def timed_train_step(self, *args, **kwargs):
+        if not isinstance(self.optimizers.step, _OptimizerTimer):
+            self.optimizers.step = _OptimizerTimer(self.optimizers.step)
+        return train_step(self, *args, **kwargs)
+
+    return timed_train_step
 
 
-def _timed_train_step(self, *args, **kwargs):
-    if not isinstance(self.optimizers.step, _OptimizerTimer):
-        self.optimizers.step = _OptimizerTimer(self.optimizers.step)
-    return _train_step(self, *args, **kwargs)
+# every run trains through HymoTrainer (hymo_recipes.titan.train.build_trainer); Trainer too,
+# for a Trainer built some other way
+for _cls in (Trainer, HymoTrainer):
+    _cls.train_step = _timed(_cls.train_step)
 
-
-Trainer.train_step = _timed_train_step
+# The peers read their data as HyMo does (HyMo's dataloader: tokenized ahead by a background
+# thread), so that the runs differ only in the model and its optimizer; like HyMo's configs
+# they loop over the embedded corpus, which is smaller than a run of 128-sequence steps reads.
+for _name in PEER_FLAVORS:
+    train_spec_module._extra_train_specs[_name] = dataclasses.replace(
+        importlib.import_module(f"torchtitan.models.{_name}").get_train_spec(),
+        build_dataloader_fn=functools.partial(build_hymo_dataloader, allow_repeat=True))
 
 if not torch.cuda.is_available():
     # The CPU dry run only: TorchTitan's MoE counts tokens per expert with torch.histc on int64

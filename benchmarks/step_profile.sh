@@ -2,7 +2,8 @@
 # Where one training step's GPU time goes: a short run_train.sh with TorchTitan's profiler on
 # for the last step, then benchmarks/trace_breakdown.py on its trace (GPU ms per category: the
 # GDN kernel, attention, grouped GEMMs of the MoE experts, other GEMMs, Inductor's fused
-# kernels, NCCL, copies; what the optimizer step launched; the longest kernels).
+# kernels, NCCL, copies; what the optimizer step launched; the longest kernels; where the GPU sat
+# idle and where the host synchronised). The trace itself is kept gzipped beside the breakdown.
 #   bash benchmarks/step_profile.sh                       # hymo_750m, one microbatch per step
 #   CONFIG=train_configs/hymo_small.toml bash benchmarks/step_profile.sh
 #   bash benchmarks/step_profile.sh --training.local_batch_size 16   # a bigger microbatch
@@ -71,5 +72,6 @@ trace=$(ls "${RUN_DIR}/${label}"/profile_traces/iteration_"${STEPS}"/rank0_trace
 [ -n "${trace}" ] || { echo "step_profile: no trace of step ${STEPS} under ${RUN_DIR}/${label}/profile_traces" >&2; exit 1; }
 echo "# ${label}, step ${STEPS} ($(du -h "${trace}" | cut -f1) trace: ${trace})"
 [ "${DRY:-0}" = 1 ] && exit 0
-python3 -m benchmarks.trace_breakdown "${trace}" > "${RESULTS}/${label}_breakdown.md"
+python3 -m benchmarks.trace_breakdown --idle "${trace}" > "${RESULTS}/${label}_breakdown.md"
+gzip -c "${trace}" > "${RESULTS}/${label}_trace.json.gz"
 cat "${RESULTS}/${label}_breakdown.md"

@@ -10,7 +10,9 @@ the step's host time (the host's ``ProfilerStep#N`` annotation), how busy the GP
 span of its kernels, for the whole step and for the kernels launched inside the optimizer step
 and outside it (the step's span less the optimizer's; a GPU busy well below 100 % means the
 host, not the GPU, sets the pace), the
-host's CUDA API time in launches and synchronisations, and the longest kernels by name.
+host's CUDA API time in launches and synchronisations, and the longest kernels by name. With
+``--idle``: the GPU's idle gaps, charged to the host events around the launch that ended each,
+and every synchronising call under its host events.
 
     python -m benchmarks.trace_breakdown outputs/hymo_750m/profile_traces/iteration_12/rank0_trace.json
 
@@ -20,6 +22,7 @@ host's CUDA API time in launches and synchronisations, and the longest kernels b
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -118,6 +121,68 @@ def _corr(e: dict):
     return e.get("args", {}).get("correlation")
 
 
+def _enclosing(ops_by_tid: dict, tid, ts: float) -> list[str]:
+    """Names of the host events on thread tid that contain time ts, outermost first."""
+    return [e["name"] for e in ops_by_tid.get(tid, ()) if e["ts"] <= ts <= e["ts"] + e["dur"]]
+
+
+def _label(stack: list[str], depth: int = 3) -> str:
+    """A short name for a host stack: its innermost `depth` events below the ProfilerStep."""
+    inner = [n for n in stack if not n.startswith("ProfilerStep#")]
+    return " > ".join(n[:60] for n in inner[-depth:]) or "(outside any host event)"
+
+
+def idle_and_syncs(trace: dict, min_gap_us: float = 20.0) -> dict:
+    """Where the GPU waits and where the host synchronises.
+
+    Each idle gap of the GPU (no kernel, copy or memset running, at least min_gap_us long) is
+    charged to what the host was doing when it launched the kernel that ended the gap (the
+    innermost host events around that launch): a gap means the host was late with that launch.
+    Each synchronising CUDA API call is listed under its own host events.
+    """
+    events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launch_of = {e["args"]["correlation"]: e for e in api if "correlation" in e.get("args", {})}
+    ops_by_tid: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
+            ops_by_tid[e.get("tid")].append(e)
+    for ops in ops_by_tid.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+    gaps: dict[str, dict] = defaultdict(lambda: dict(ms=0.0, n=0))
+    end = gpu[0]["ts"] + gpu[0]["dur"] if gpu else 0.0
+    total = 0.0
+    for e in gpu[1:]:
+        gap = e["ts"] - end
+        if gap >= min_gap_us:
+            launch = launch_of.get(_corr(e))
+            label = _label(_enclosing(ops_by_tid, launch.get("tid"), launch["ts"])) if launch else "(no launch record)"
+            gaps[label]["ms"] += gap / 1e3
+            gaps[label]["n"] += 1
+            total += gap / 1e3
+        end = max(end, e["ts"] + e["dur"])
+    syncs: dict[str, dict] = defaultdict(lambda: dict(ms=0.0, n=0))
+    for e in api:
+        if SYNC_API.match(e["name"]) or e["name"] in ("cudaMemcpy", "cudaStreamWaitEvent_sync"):
+            label = _label(_enclosing(ops_by_tid, e.get("tid"), e["ts"]), depth=4)
+            syncs[f"{e['name']}: {label}"]["ms"] += e["dur"] / 1e3
+            syncs[f"{e['name']}: {label}"]["n"] += 1
+    return dict(gaps=dict(gaps), gap_ms=total, syncs=dict(syncs), min_gap_us=min_gap_us)
+
+
+def render_idle(r: dict, top: int = 15) -> str:
+    rows = [f"GPU idle in gaps of >= {r['min_gap_us']:.0f} us: {r['gap_ms']:.1f} ms, charged to the host events "
+            "around the launch that ended each gap", "",
+            f"| host events at the late launch (top {top}) | idle ms | gaps |", "|---|---|---|"]
+    for label, g in sorted(r["gaps"].items(), key=lambda kv: -kv[1]["ms"])[:top]:
+        rows.append(f"| {label} | {g['ms']:.2f} | {g['n']} |")
+    rows += ["", f"| synchronising call: host events (top {top}) | host ms | calls |", "|---|---|---|"]
+    for label, s in sorted(r["syncs"].items(), key=lambda kv: -kv[1]["ms"])[:top]:
+        rows.append(f"| {label} | {s['ms']:.2f} | {s['n']} |")
+    return "\n".join(rows)
+
+
 def render(b: dict, top: int = 12) -> str:
     total = b["kernel_ms"]
     rows = ["| category | GPU ms | share | kernels | of it in Optimizer.step (ms) |", "|---|---|---|---|---|"]
@@ -144,11 +209,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a chrome trace (.json) written by torch.profiler")
     ap.add_argument("--top", type=int, default=12, help="how many kernels to list by GPU time")
+    ap.add_argument("--idle", action="store_true",
+                    help="also: where the GPU sat idle (by the host events around the late launch) and where "
+                         "the host synchronised")
     args = ap.parse_args(argv)
     try:
-        with open(args.trace) as f:
+        opener = gzip.open if args.trace.endswith(".gz") else open
+        with opener(args.trace, "rt") as f:
             trace = json.load(f)
         print(render(breakdown(trace), args.top))
+        if args.idle:
+            print()
+            print(render_idle(idle_and_syncs(trace), args.top))
     except (OSError, json.JSONDecodeError, ValueError) as e:
         print(f"trace_breakdown: {args.trace}: {e}", file=sys.stderr)
         return 2

@@ -99,3 +99,19 @@ def test_bad_traces_fail_clearly(tmp_path, capsys, content, message):
     assert message in capsys.readouterr().err
     assert tb.main([str(tmp_path / "missing.json")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_idle_gaps_charged_to_the_late_launch_and_syncs_listed():
+    r = tb.idle_and_syncs(TRACE)
+    # gaps between the merged kernels: 200, 450, 480, 100, 20, 60 µs before kernels launched in the
+    # step only; 690 and 100 µs before the two launched inside the optimizer step
+    assert r["gap_ms"] == pytest.approx(2.1)
+    opt = r["gaps"]["Optimizer.step#NorMuon.step"]
+    assert opt["ms"] == pytest.approx(0.79) and opt["n"] == 2
+    rest = r["gaps"]["(outside any host event)"]
+    assert rest["ms"] == pytest.approx(1.31) and rest["n"] == 6
+    assert r["syncs"] == {"cudaStreamSynchronize: (outside any host event)": dict(ms=pytest.approx(0.2), n=1)}
+    # a larger threshold drops the 20 and 60 µs gaps
+    assert tb.idle_and_syncs(TRACE, min_gap_us=61)["gap_ms"] == pytest.approx(2.02)
+    text = tb.render_idle(r)
+    assert "2.1 ms" in text and "| Optimizer.step#NorMuon.step | 0.79 | 2 |" in text

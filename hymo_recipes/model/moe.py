@@ -163,7 +163,9 @@ class MoE(nn.Module):
         token = torch.arange(N * k, device=x.device) // k
         priority = (token % T) * B + token // T
         order = torch.argsort(flat * N + priority)
-        counts = torch.bincount(flat, minlength=E)  # bincount: int64 histc has no CPU kernel
+        # per-expert counts by scatter_add: bincount sizes its output from the data (a host
+        # sync on CUDA), and int64 histc has no CPU kernel
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
 
         capacity = self.capacity(N)
         if capacity is None:
@@ -204,15 +206,16 @@ class MoE(nn.Module):
             tokens_per_expert: [E] assignments per expert in the step, summed over
                 data-parallel ranks by the caller.
         """
+        # A step without tokens changes nothing; decided on the device (no host sync).
         total = tokens_per_expert.sum()
-        if total <= 0:
-            return
-        share = tokens_per_expert.to(self.load_ema) / total
-        self.load_ema.mul_(1 - self.load_ema_alpha).add_(share, alpha=self.load_ema_alpha)
-        mean = self.load_ema.mean()
-        under = (self.load_ema < (1 - self.balance_band) * mean).float()
-        over = (self.load_ema > (1 + self.balance_band) * mean).float()
-        self.expert_bias.add_((under - over) * self.bias_update_speed)
+        any_tokens = total > 0
+        share = tokens_per_expert.to(self.load_ema) / total.clamp(min=1)
+        ema = torch.add(self.load_ema * (1 - self.load_ema_alpha), share, alpha=self.load_ema_alpha)
+        mean = ema.mean()
+        under = (ema < (1 - self.balance_band) * mean).float()
+        over = (ema > (1 + self.balance_band) * mean).float()
+        self.load_ema.copy_(torch.where(any_tokens, ema, self.load_ema))
+        self.expert_bias.add_(torch.where(any_tokens, (under - over) * self.bias_update_speed, 0.0))
 
     @torch.no_grad()
     def reset_load_counters(self) -> None:

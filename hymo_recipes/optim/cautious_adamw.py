@@ -28,6 +28,8 @@ single-process step and checkpoints reshard to any number of ranks without chang
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from typing import Any
 
@@ -272,13 +274,15 @@ class CautiousAdamW(GroupStepOptimizer):
             steps.append(st["step"])
         torch._foreach_add_(steps, 1.0)
         # All steps of a group advance together; one bias correction for the batch (they can
-        # only differ if a checkpoint mixed states, which load_state_dict never does).
-        t = steps[0].to(torch.float64)
+        # only differ if a checkpoint mixed states, which load_state_dict never does). The
+        # steps live on the CPU, so the corrections are host floats, handed to the device
+        # without a copy (no host sync in the step).
+        t = float(steps[0])
         bc1 = 1.0 - beta1**t
-        bc2_sqrt = (1.0 - beta2**t).sqrt()
+        bc2_sqrt = math.sqrt(1.0 - beta2**t)
         dtype = ps[0].dtype
-        step_scale = (bc2_sqrt / bc1).to(device=device, dtype=dtype)
-        eps_scaled = (group["eps"] * bc2_sqrt).to(device=device, dtype=dtype)
+        step_scale = _scalar_tensor(bc2_sqrt / bc1, device, dtype)
+        eps_scaled = _scalar_tensor(group["eps"] * bc2_sqrt, device, dtype)
         lr = _scalar_tensor(group["lr"], device, dtype)
         wd = _scalar_tensor(group["weight_decay"], device, dtype)
         apply_wd = isinstance(group["weight_decay"], Tensor) or group["weight_decay"] != 0.0
@@ -315,6 +319,8 @@ class CautiousAdamW(GroupStepOptimizer):
 
 
 def _scalar_tensor(x: float | Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
-    if isinstance(x, Tensor):
-        return x.to(device=device, dtype=dtype)
-    return torch.tensor(float(x), dtype=dtype, device=device)
+    """x as a 0-dim tensor on device. A host value becomes a fill kernel's argument: unlike a
+    host-to-device copy of a pageable tensor, that does not synchronise the stream."""
+    if isinstance(x, Tensor) and x.device == device:
+        return x.to(dtype=dtype)
+    return torch.full((), float(x), dtype=dtype, device=device)

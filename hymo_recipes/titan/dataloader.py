@@ -28,7 +28,10 @@ Document positions are saved for map-style datasets read without worker processe
 
 from __future__ import annotations
 
+import collections
+import itertools
 import pickle
+import threading
 from dataclasses import asdict
 from typing import Any
 
@@ -78,13 +81,103 @@ def subtract_ranges(block: tuple[int, int], taken: Ranges) -> Ranges:
     return out
 
 
+CHUNK_DOCS = 64  # documents per batch encode of the read-ahead thread
+
+
+def batch_encoder(tokenizer):
+    """texts -> token id lists as ``tokenizer.encode(text, add_bos=True, add_eos=True)`` gives
+    them: for TorchTitan's HuggingFaceTokenizer one ``encode_batch`` of the underlying
+    tokenizers.Tokenizer (which releases the GIL), with its BOS/EOS rule; otherwise one
+    encode per text."""
+    hf = getattr(tokenizer, "tokenizer", None)
+    if not (hasattr(hf, "encode_batch") and hasattr(tokenizer, "hf_adds_bos")):
+        return lambda texts: [tokenizer.encode(t, add_bos=True, add_eos=True) for t in texts]
+    bos = tokenizer.bos_id if not tokenizer.hf_adds_bos else None
+    eos = tokenizer.eos_id if not tokenizer.hf_adds_eos else None
+
+    def encode(texts):
+        out = []
+        for enc in hf.encode_batch(texts) if texts else ():
+            ids = enc.ids
+            if bos is not None:
+                ids.insert(0, bos)
+            if eos is not None:
+                ids.append(eos)
+            out.append(ids)
+        return out
+
+    return encode
+
+
+class ReadAhead:
+    """Documents read and tokenized by a background thread, up to ``budget`` tokens ahead of
+    the consumer; iterating yields each document's token ids in order.
+
+    Tokenizing on the training loop's thread leaves the GPU waiting while it runs, and
+    TorchTitan reads every microbatch of a step before the first forward. The thread batch-encodes CHUNK_DOCS documents at a time (the
+    tokenizers library's batch encode runs on several cores without the GIL) while the GPU
+    computes, and keeps about two steps' tokens ready. An error in the thread is raised by
+    the iterator, in order.
+    """
+
+    def __init__(self, samples, text_fn, encode, budget: int):
+        self._cond = threading.Condition()
+        self._chunks: collections.deque = collections.deque()
+        self._queued = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._produce, args=(samples, text_fn, encode, budget),
+                                        name="hymo-tokenize", daemon=True)
+        self._thread.start()
+
+    def _produce(self, samples, text_fn, encode, budget: int) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop or self._queued < budget)
+                    if self._stop:
+                        return
+                docs = encode([text_fn(s) for s in itertools.islice(samples, CHUNK_DOCS)])
+                with self._cond:
+                    self._chunks.append(docs)
+                    self._queued += sum(map(len, docs))
+                    self._cond.notify_all()
+                if not docs:  # the end of the samples
+                    return
+        except BaseException as e:  # handed to the consumer, raised there
+            with self._cond:
+                self._chunks.append(e)
+                self._cond.notify_all()
+
+    def __iter__(self):
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._chunks)
+                    docs = self._chunks.popleft()
+                    if isinstance(docs, BaseException):
+                        raise docs
+                    self._queued -= sum(map(len, docs))
+                    self._cond.notify_all()
+                if not docs:
+                    return
+                yield from docs
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
 class HymoTextDataset(HuggingFaceTextDataset):
     """TorchTitan's text dataset that can finish an epoch on a list of document ranges (the
     documents a resume with another DP degree still has to read); the next epoch reads the
     whole shard. The ranges are part of the saved state."""
 
-    def __init__(self, *args, allow_repeat: bool = False, **kwargs):
+    def __init__(self, *args, allow_repeat: bool = False, lookahead_tokens: int = 1 << 20, **kwargs):
         super().__init__(*args, **kwargs)
+        self.lookahead_tokens = lookahead_tokens
         self._epoch_ranges: Ranges | None = None  # shard-relative, for the epoch in progress
         self.allow_repeat = allow_repeat
         self._repeat_warned = False
@@ -95,14 +188,14 @@ class HymoTextDataset(HuggingFaceTextDataset):
         warning for the run instead of one per pass; otherwise running out is an error."""
         max_buffer_token_len = 1 + self.seq_len
         while True:
-            for sample in self._get_data_iter():
-                sample_tokens = self._tokenizer.encode(self._text_processor(sample), add_bos=True, add_eos=True)
+            for sample_tokens in self._encoded(self._get_data_iter()):
                 self._token_buffer.extend(sample_tokens)
                 self._sample_idx += 1
                 while len(self._token_buffer) >= max_buffer_token_len:
                     x = torch.LongTensor(self._token_buffer[:max_buffer_token_len])
                     self._token_buffer = self._token_buffer[max_buffer_token_len:]
                     yield {"input": x[:-1]}, x[1:]
+            self._epoch_ranges = None  # a pass over ranges is done: the next reads the full shard
             if not self.infinite:
                 logger.warning(f"Dataset {self.dataset_name} has run out of data")
                 break
@@ -115,6 +208,14 @@ class HymoTextDataset(HuggingFaceTextDataset):
             self._sample_idx = 0
             if not isinstance(self._data, Dataset) and hasattr(self._data, "set_epoch") and hasattr(self._data, "epoch"):
                 self._data.set_epoch(self._data.epoch + 1)
+
+    def _encoded(self, samples):
+        """The token ids of each document of ``samples``, in order, with BOS and EOS as
+        TorchTitan's loop adds them, read and tokenized ahead by a background thread
+        (ReadAhead). Only the consumed documents count in the saved position
+        (``_sample_idx``); read-ahead ones are read again after a resume."""
+        return iter(ReadAhead(samples, self._text_processor, batch_encoder(self._tokenizer),
+                              self.lookahead_tokens))
 
     @property
     def map_style(self) -> bool:
@@ -133,7 +234,6 @@ class HymoTextDataset(HuggingFaceTextDataset):
                 continue
             yield from self._data.select(range(a + skip, b))
             skip = 0
-        self._epoch_ranges = None  # TorchTitan's loop now restarts the epoch on the full shard
 
     def documents_read(self) -> Ranges:
         """Shard-relative ranges of the documents read in the epoch in progress."""
@@ -297,9 +397,14 @@ def pack_states(gathered: list[tuple], dp_world_size: int) -> dict[str, Any]:
 
 
 def build_hymo_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config,
-                          infinite: bool = True) -> HymoDataloader:
-    """TorchTitan's ``build_text_dataloader`` (hf_datasets/text_datasets.py), HyMo's class."""
+                          infinite: bool = True, allow_repeat: bool | None = None) -> HymoDataloader:
+    """TorchTitan's ``build_text_dataloader`` (hf_datasets/text_datasets.py), HyMo's class.
+    ``allow_repeat`` (default: ``[hymo] allow_data_repeat``) lets an infinite dataset loop."""
     training = job_config.training
+    # read ahead two optimizer steps' worth of this rank's sequences
+    per_step = training.local_batch_size
+    if training.global_batch_size > 0:
+        per_step = max(per_step, training.global_batch_size // dp_world_size)
     dataset = HymoTextDataset(
         dataset_name=training.dataset,
         dataset_path=training.dataset_path,
@@ -308,7 +413,9 @@ def build_hymo_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_confi
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         infinite=infinite,
-        allow_repeat=bool(getattr(getattr(job_config, "hymo", None), "allow_data_repeat", False)),
+        allow_repeat=(bool(getattr(getattr(job_config, "hymo", None), "allow_data_repeat", False))
+                      if allow_repeat is None else allow_repeat),
+        lookahead_tokens=2 * per_step * (training.seq_len + 1),
     )
     kwargs = {**asdict(training.dataloader), "batch_size": training.local_batch_size}
     return HymoDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)

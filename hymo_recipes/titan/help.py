@@ -28,6 +28,10 @@ ENVIRONMENT = (
                   "config, builds the model and runs one step (no checkpoint)"),
     ("LOG_RANK", "the ranks whose output is shown, comma-separated (default 0)"),
     ("TRAIN_FILE", "the module torchrun runs (default hymo_recipes.train)"),
+    ("NNODES", "nodes of the job, this script started once on each (default 1)"),
+    ("NODE_RANK", "this node's rank for the static rendezvous (default 0)"),
+    ("MASTER_ADDR", "node 0's host for the static rendezvous of several nodes (+ MASTER_PORT, default 29500)"),
+    ("RDZV_ENDPOINT", "host:port of a c10d rendezvous for several nodes instead (+ RDZV_ID, default hymo)"),
 )
 
 # (section, class in job_config.py, what the section is)

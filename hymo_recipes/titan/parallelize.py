@@ -76,12 +76,23 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
         mesh,
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward != "never",
+        reshard_after_forward=reshard_after_forward(job_config.parallelism.fsdp_reshard_after_forward,
+                                                    mesh.size()),
     )
     logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s), parameters in "
                 f"{training.mixed_precision_param}, reduction in "
                 f"{training.mixed_precision_reduce}")
     return model
+
+
+def reshard_after_forward(policy: str, ranks: int) -> bool:
+    """TorchTitan's ``parallelism.fsdp_reshard_after_forward``: "always" / "never", and for
+    "default" resharding on more than one rank only. On one rank a block's parameters gathered
+    for the forward are all of them, in bf16 (2 bytes per parameter kept until the backward):
+    resharding would only repeat the copies and casts in the backward."""
+    if policy not in ("default", "always", "never"):
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward = {policy!r}: default, always or never")
+    return policy == "always" or (policy == "default" and ranks > 1)
 
 
 def _check_supported(parallel_dims, job_config) -> None:

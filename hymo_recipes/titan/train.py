@@ -37,6 +37,7 @@ from hymo_recipes.titan import checkpoints, cli, console, cpu_shims, job_config,
 from hymo_recipes.titan.api import ConfigManager, JobConfig, Trainer, init_logger, logger, train_spec_module
 from hymo_recipes.titan.preflight import check_job_config
 from hymo_recipes.titan.spec import get_train_spec
+from hymo_recipes.titan.trainer import HymoTrainer
 
 CONFIG_ERROR_FILE = "HYMO_CONFIG_ERROR_FILE"  # set by scripts/launch.py (run_train.sh)
 
@@ -96,11 +97,13 @@ def own_train_spec():
 
 
 def build_trainer(config) -> Trainer:
-    """TorchTitan's Trainer for a parsed config, with builders shared with no other Trainer."""
+    """The Trainer for a parsed config: TorchTitan's, with HyMo's train step (trainer.py), and
+    for HyMo builders shared with no other Trainer. Any model of TorchTitan's registry trains
+    through the same train step."""
     if config.model.name != "hymo":
-        return Trainer(config)
+        return HymoTrainer(config)
     with own_train_spec():
-        return Trainer(config)
+        return HymoTrainer(config)
 
 
 def die_with_launcher() -> None:

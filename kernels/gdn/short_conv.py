@@ -6,8 +6,11 @@ across a document start). x may be a strided view (its last dim contiguous): the
 the three projections' outputs in as they come.
 
 The backward recomputes the pre-activation from x rather than saving it: the conv's only saved
-tensors are x and w, the inputs it already holds. dw is summed per program in fp32 (a
-[programs, W, C] slab, then one sum), so the result does not depend on scheduling.
+tensors are x and w, the inputs it already holds. It runs as two kernels: the first recomputes
+z once per row and writes dz = dy ⊙ silu'(z) (fp32, transient) with the dw partials, the second
+gathers dx from the W rows of dz each row feeds; recomputing z for each of the W rows instead
+costs W² loads per tile. dw is summed per program in fp32 (a [programs, W, C] slab, then one
+sum), so the result does not depend on scheduling.
 """
 
 from __future__ import annotations
@@ -41,56 +44,65 @@ def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, s
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, NT, stride_xb, stride_xt,
-                     stride_dyb, stride_dyt, stride_dxb, stride_dxt,
-                     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, dw_ptr, pos_ptr, T, C, NT, stride_xb, stride_xt,
+                    stride_dyb, stride_dyt, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    HAS_POS: tl.constexpr):
+    """dz = dy ⊙ silu'(z) for this program's rows (z recomputed from x), and its dw partial."""
+    b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = it * BT + tl.arange(0, BT)
+    c = ic * BC + tl.arange(0, BC)
+    tm, cm = t < T, c < C
+    if HAS_POS:
+        pos = tl.load(pos_ptr + t, mask=tm, other=0)
+    x_base = x_ptr + b * stride_xb + c[None, :]
+    z = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        wj = tl.load(w_ptr + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)
+        ok = tm & (t >= j)
+        if HAS_POS:
+            ok = ok & (pos >= j)
+        xs = tl.load(x_base + (t - j)[:, None] * stride_xt, mask=ok[:, None] & cm[None, :], other=0.0)
+        z += xs.to(tl.float32) * wj[None, :]
+    sig = tl.sigmoid(z)
+    dy = tl.load(dy_ptr + b * stride_dyb + t[:, None] * stride_dyt + c[None, :], mask=tm[:, None] & cm[None, :],
+                 other=0.0).to(tl.float32)
+    dz = dy * sig * (1.0 + z * (1.0 - sig))
+    tl.store(dz_ptr + (b * T + t[:, None]) * C + c[None, :], dz, mask=tm[:, None] & cm[None, :])
+    # dw[c, W-1-j] = Σ_t dz[t] x[t-j] over this program's rows (the same tiles, from cache)
+    dw_base = dw_ptr + ((b * NT + it) * W) * C + c
+    for j in tl.static_range(W):
+        ok = tm & (t >= j)
+        if HAS_POS:
+            ok = ok & (pos >= j)
+        xs = tl.load(x_base + (t - j)[:, None] * stride_xt, mask=ok[:, None] & cm[None, :], other=0.0)
+        tl.store(dw_base + (W - 1 - j) * C, tl.sum(dz * xs.to(tl.float32), 0), mask=cm)
+
+
+@triton.jit
+def _conv_dx_kernel(dz_ptr, w_ptr, dx_ptr, pos_ptr, T, C, stride_dxb, stride_dxt, W: tl.constexpr,
+                    BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+    """dx[t] = Σ_r w[W-1-r] dz[t+r] over the taps r that reach row t from inside its document."""
     b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = it * BT + tl.arange(0, BT)
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
-    x_base = x_ptr + b * stride_xb + c[None, :]
     dx = tl.zeros([BT, BC], dtype=tl.float32)
-    # dw partial for this program: W taps, kept as W vectors
-    dw_base = dw_ptr + ((b * NT + it) * W) * C + c
     for r in tl.static_range(W):
-        # rows s = t + r: their pre-activation (recomputed), dz = dy ⊙ silu'(z), and what they
-        # send back to row t through tap r
         s = t + r
-        sm = s < T
+        ok = s < T
         if HAS_POS:
-            pos_s = tl.load(pos_ptr + s, mask=sm, other=0)
-        z = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(W):
-            wj = tl.load(w_ptr + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)
-            ok = sm & (s >= j)
-            if HAS_POS:
-                ok = ok & (pos_s >= j)
-            xs = tl.load(x_base + (s - j)[:, None] * stride_xt, mask=ok[:, None] & cm[None, :], other=0.0)
-            z += xs.to(tl.float32) * wj[None, :]
-        sig = tl.sigmoid(z)
-        dyv = tl.load(dy_ptr + b * stride_dyb + s[:, None] * stride_dyt + c[None, :],
-                      mask=sm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        dz = dyv * sig * (1.0 + z * (1.0 - sig))
-        okr = sm & (s >= r)
-        if HAS_POS:
-            okr = okr & (pos_s >= r)
-        dz = tl.where(okr[:, None], dz, 0.0)
+            ok = ok & (tl.load(pos_ptr + s, mask=ok, other=0) >= r)
         wr = tl.load(w_ptr + c * W + (W - 1 - r), mask=cm, other=0.0).to(tl.float32)
+        dz = tl.load(dz_ptr + (b * T + s[:, None]) * C + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
         dx += dz * wr[None, :]
-        if r == 0:
-            # dw[c, W-1-j] = Σ_t dz[t] x[t-j] over this program's rows t (r = 0: s = t)
-            for j in tl.static_range(W):
-                ok = (t < T) & (t >= j)
-                if HAS_POS:
-                    ok = ok & (pos_s >= j)
-                xs = tl.load(x_base + (t - j)[:, None] * stride_xt, mask=ok[:, None] & cm[None, :], other=0.0)
-                tl.store(dw_base + (W - 1 - j) * C, tl.sum(dz * xs.to(tl.float32), 0), mask=cm)
-    tm = t < T
     tl.store(dx_ptr + b * stride_dxb + t[:, None] * stride_dxt + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=tm[:, None] & cm[None, :])
+             mask=(t < T)[:, None] & cm[None, :])
 
 
-_BT, _BC = 64, 64
+# (rows, channels, warps) per program of the forward and of the backward's two kernels: the
+# fastest of a sweep at the 750m shape on an H200 (benchmarks/HISTORY.md)
+FWD_TILE = (32, 128, 4)
+BWD_TILE = (128, 32, 4)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
@@ -106,11 +118,12 @@ def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
 def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, w, positions)
     B, T, C = x.shape
+    BT, BC, warps = FWD_TILE
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x  # a dummy pointer when HAS_POS is off
-    grid = (B, triton.cdiv(T, _BT), triton.cdiv(C, _BC))
+    grid = (B, triton.cdiv(T, BT), triton.cdiv(C, BC))
     _conv_fwd_kernel[grid](x, w, y, pos, T, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                           W=w.shape[1], BT=_BT, BC=_BC, HAS_POS=positions is not None, num_warps=4)
+                           W=w.shape[1], BT=BT, BC=BC, HAS_POS=positions is not None, num_warps=warps)
     return y
 
 
@@ -118,12 +131,17 @@ def conv_silu_bwd(x, w, dy, positions=None):
     _check(x, w, positions)
     B, T, C = x.shape
     W = w.shape[1]
-    NT = triton.cdiv(T, _BT)
+    BT, BC, warps = BWD_TILE
+    NT = triton.cdiv(T, BT)
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dz = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
     pos = positions if positions is not None else x
-    _conv_bwd_kernel[(B, NT, triton.cdiv(C, _BC))](
-        x, w, dy, dx, dw_part, pos, T, C, NT, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-        dx.stride(0), dx.stride(1), W=W, BT=_BT, BC=_BC, HAS_POS=positions is not None, num_warps=4)
+    grid = (B, NT, triton.cdiv(C, BC))
+    has_pos = positions is not None
+    _conv_dz_kernel[grid](x, w, dy, dz, dw_part, pos, T, C, NT, x.stride(0), x.stride(1), dy.stride(0),
+                          dy.stride(1), W=W, BT=BT, BC=BC, HAS_POS=has_pos, num_warps=warps)
+    _conv_dx_kernel[grid](dz, w, dx, pos, T, C, dx.stride(0), dx.stride(1), W=W, BT=BT, BC=BC,
+                          HAS_POS=has_pos, num_warps=warps)
     return dx, dw_part.sum(0).t().contiguous().to(w.dtype)  # [C, W]

@@ -220,3 +220,49 @@ def test_with_worker_processes_no_document_positions_are_saved(tokenizer):
     take(dl, 2)
     assert dl.local_state()[3] is None
     assert pickle.loads(checkpoint([dl])["hymo_data"])["docs"] is None
+
+
+def test_read_ahead_yields_what_torchtitans_loop_yields_and_saves_the_same_position(tokenizer):
+    """The background tokenizer changes nothing: the same sequences as TorchTitan's own
+    HuggingFaceTextDataset, through a whole pass, and after any number of sequences the same
+    saved state (documents consumed, token buffer), whatever was read ahead."""
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    from hymo_recipes.titan.dataloader import HymoTextDataset
+
+    kw = dict(dataset_name="brown", dataset_path=str(REPO / "data/brown"), tokenizer=tokenizer, seq_len=SEQ * 8,
+              dp_rank=0, dp_world_size=1, infinite=False)
+    ours, theirs = HymoTextDataset(**kw, lookahead_tokens=4096), HuggingFaceTextDataset(**kw)
+    n = 0
+    for (x, y), (x_ref, y_ref) in zip(ours, theirs, strict=True):
+        assert torch.equal(x["input"], x_ref["input"]) and torch.equal(y, y_ref)
+        n += 1
+        if n in (1, 7, 300):
+            a, b = ours.state_dict(), theirs.state_dict()
+            assert a["sample_idx"] == b["sample_idx"] and a["token_buffer"] == b["token_buffer"]
+    assert n > 1000 and ours.state_dict()["sample_idx"] == theirs.state_dict()["sample_idx"]
+
+
+def test_read_ahead_keeps_to_its_budget_and_raises_the_threads_error():
+    from hymo_recipes.titan.dataloader import CHUNK_DOCS, ReadAhead
+
+    read = []
+
+    def samples():
+        for i in range(10 * CHUNK_DOCS):
+            read.append(i)
+            if i == 5 * CHUNK_DOCS + 3:
+                raise ValueError("bad document 323")
+            yield i
+
+    encode = lambda texts: [[t] * 10 for t in texts]  # noqa: E731  (10 tokens per document)
+    it = iter(ReadAhead(samples(), lambda s: s, encode, budget=10 * CHUNK_DOCS))
+    assert next(it) == [0] * 10
+    import time
+    time.sleep(0.2)
+    # a budget of one chunk's tokens: one chunk queued ahead of the one being consumed, at most
+    assert len(read) <= 2 * CHUNK_DOCS + 1
+    got = [next(it)[0] for _ in range(5 * CHUNK_DOCS - 1)]
+    assert got == list(range(1, 5 * CHUNK_DOCS))
+    with pytest.raises(ValueError, match="bad document 323"):
+        next(it)

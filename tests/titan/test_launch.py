@@ -101,3 +101,26 @@ def test_run_train_sh_reports_a_config_error_in_one_line(tmp_path):
     assert "unknown [model] flavor 'nope': HyMo has debugmodel" in out
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
     assert not list(tmp_path.iterdir())  # nothing written before the check
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NNODES": "two"}, "NNODES=two is not a positive integer"),
+    ({"NNODES": "0"}, "NNODES=0 is not a positive integer"),
+    ({"NNODES": "2", "NODE_RANK": "x", "MASTER_ADDR": "node0"}, "NODE_RANK=x is not a non-negative integer"),
+    ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "node0"}, "NODE_RANK=2 must be below NNODES=2"),
+    ({"NODE_RANK": "1"}, "NODE_RANK=1 must be below NNODES=1"),
+    ({"NNODES": "2"}, "NNODES=2 needs a rendezvous all nodes reach: MASTER_ADDR"),
+    ({"NNODES": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port number"),
+], ids=["nnodes-word", "nnodes-0", "node-rank-word", "node-rank-too-big", "node-rank-one-node",
+        "no-rendezvous", "bad-port"])
+def test_run_train_sh_rejects_bad_multinode_values_in_one_line(tmp_path, env, message):
+    """Before torchrun starts (which would wait for nodes that never come): one line, exit 1."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "CHECK", "COMM_MODE")}
+    base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    proc = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_path)], cwd=REPO,
+                          env=dict(base, NGPU="1", **env), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("run_train.sh: "), proc.stderr
+    assert message in proc.stderr and proc.stdout == ""
+    assert not list(tmp_path.iterdir())

@@ -46,3 +46,12 @@ def test_torch_chunk_backend_under_compile_is_a_clear_error():
     job.compile = SimpleNamespace(enable=True, components=["model", "loss"])
     with pytest.raises(ValueError, match="kept out of torch.compile"):
         parallelize_hymo(model, _dims(), job)
+
+
+def test_reshard_after_forward_policy():
+    from hymo_recipes.titan.parallelize import reshard_after_forward
+
+    assert reshard_after_forward("default", 8) and not reshard_after_forward("default", 1)
+    assert reshard_after_forward("always", 1) and not reshard_after_forward("never", 8)
+    with pytest.raises(ValueError, match="default, always or never"):
+        reshard_after_forward("sometimes", 2)

@@ -1,0 +1,94 @@
+"""TorchTitan's Trainer with a train step that never makes the host wait for the GPU to move data.
+
+TorchTitan 0.2.2's ``train_step`` moves each microbatch with a blocking ``tensor.to(device)``:
+a pageable host-to-device copy that synchronises the stream, so the host waits for the GPU to
+finish the previous microbatch's backward before it may launch the next forward, and the GPU
+then idles while the host catches up (the forward of a model of many small blocks is
+host-bound). ``HymoTrainer.train_step`` is that method with the copies made from pinned memory
+with ``non_blocking=True``, in stream order, so the host runs ahead; everything else (token
+count, gradient accumulation, clipping, the optimizer and scheduler steps, the logged metrics) is
+TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from hymo_recipes.titan.api import IGNORE_INDEX, Trainer, dist_utils
+
+
+class HymoTrainer(Trainer):
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda" and t.device.type == "cpu":
+            # pinned (the caching host allocator reuses the block once the copy has run)
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+        # TorchTitan 0.2.2's Trainer.train_step but for _to_device
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        parallel_dims = self.parallel_dims
+
+        microbatches = []
+        local_valid_tokens = torch.tensor(0, dtype=torch.int64)
+        for _microbatch in range(self.gradient_accumulation_steps):
+            input_dict, labels = next(data_iterator)
+            local_valid_tokens += (labels != IGNORE_INDEX).sum()
+            microbatches.append((input_dict, labels))
+
+        local_valid_tokens = self._to_device(local_valid_tokens)
+        if parallel_dims.dp_enabled:
+            batch_mesh = parallel_dims.get_mesh("batch")
+            global_valid_tokens = dist_utils.dist_sum(local_valid_tokens, batch_mesh)
+        else:
+            global_valid_tokens = local_valid_tokens.float()
+
+        accumulated_losses = []
+        for input_dict, labels in microbatches:
+            for k, v in input_dict.items():
+                if isinstance(v, torch.Tensor):
+                    input_dict[k] = self._to_device(v)
+            labels = self._to_device(labels)
+            loss = self.forward_backward_step(input_dict=input_dict, labels=labels,
+                                              global_valid_tokens=global_valid_tokens)
+            accumulated_losses.append(loss.detach())
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=parallel_dims.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+
+        loss = torch.sum(torch.stack(accumulated_losses))
+        if not self.metrics_processor.should_log(self.step):
+            return
+
+        if parallel_dims.dp_cp_enabled:
+            loss = loss.detach()
+            loss_mesh = parallel_dims.get_optional_mesh("loss")
+            local_avg_loss = loss * global_valid_tokens / local_valid_tokens
+            global_avg_loss, global_max_loss, global_ntokens_seen = (
+                dist_utils.dist_sum(loss, loss_mesh),
+                dist_utils.dist_max(local_avg_loss, loss_mesh),
+                dist_utils.dist_sum(torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device),
+                                    loss_mesh),
+            )
+        else:
+            global_avg_loss = global_max_loss = loss.detach().item()
+            global_ntokens_seen = self.ntokens_seen
+
+        self.metrics_processor.log(
+            self.step,
+            global_avg_loss,
+            global_max_loss,
+            grad_norm.item(),
+            extra_metrics={"n_tokens_seen": global_ntokens_seen, "lr": lr},
+        )
