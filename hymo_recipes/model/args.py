@@ -80,6 +80,11 @@ class HymoModelArgs:
     mtp_loss_weights: tuple[float, ...] = (0.3, 0.1)
     mtp_inter_dim: int = 2304
 
+    # muP (hymo_recipes/mup.py): the width at which init_std and the lrs were tuned; 0 = off.
+    # On: hidden-matrix init × (dim/base)^-1/2, router init × base/dim, per-role lr multipliers
+    # in the optimizer's param groups, MLA softmax scale 1/d, logits × base/dim.
+    mup_base_width: int = 0
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -87,6 +92,11 @@ class HymoModelArgs:
     def gdn_layers(self) -> tuple[int, ...]:
         mla = set(self.mla_layers)
         return tuple(i for i in range(self.n_layers) if i not in mla)
+
+    @property
+    def mup_width_mult(self) -> float:
+        """muP's width multiplier dim / mup_base_width (1.0 with muP off)."""
+        return self.dim / self.mup_base_width if self.mup_base_width else 1.0
 
     def validate(self) -> None:
         """Raises a ValueError naming the first inconsistent field."""
@@ -150,6 +160,9 @@ class HymoModelArgs:
         if not 0 <= self.moe_balance_band < 1:
             raise ValueError(f"moe_balance_band must lie in [0, 1), got {self.moe_balance_band}")
 
+        if self.mup_base_width < 0:
+            raise ValueError(f"mup_base_width must be >= 0 (0 = muP off), got {self.mup_base_width}")
+
         if self.mtp_depth < 0:
             raise ValueError(f"mtp_depth must be >= 0, got {self.mtp_depth}")
         if len(self.mtp_loss_weights) != self.mtp_depth:
@@ -166,10 +179,10 @@ class HymoModelArgs:
 
         Takes the longest sequence run (``training.seq_len``, ``validation.seq_len``) as
         ``max_seq_len`` and applies the ``[hymo]`` knobs that name model fields (``vocab_size``,
-        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``; "flavor" or 0 keeps the
-        flavor's), then validates. A pure function of the config: it reads no file and probes no
-        device. The tokenizer's vocabulary and whether the machine can run the backend are
-        settled before the Trainer starts (``hymo_recipes.titan.preflight``).
+        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``, ``mup_base_width``; 0,
+        "flavor" or -1 keeps the flavor's), then validates. A pure function of the config: it
+        reads no file and probes no device. The tokenizer's vocabulary and whether the machine
+        can run the backend are settled before the Trainer starts (``hymo_recipes.titan.preflight``).
         """
         lengths = {"training.seq_len": job_config.training.seq_len}
         if job_config.validation.enable:
@@ -187,6 +200,8 @@ class HymoModelArgs:
             for name in ("gdn_backend", "gdn_dot_precision", "gdn_bwd_path"):
                 if getattr(hymo, name) != "flavor":
                     setattr(self, name, getattr(hymo, name))
+            if getattr(hymo, "mup_base_width", -1) >= 0:  # -1 keeps the flavor's
+                self.mup_base_width = hymo.mup_base_width
 
         if job_config.parallelism.context_parallel_degree > 1:
             raise NotImplementedError("context parallelism is not supported: the GDN recurrence spans the sequence")

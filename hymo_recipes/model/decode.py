@@ -54,6 +54,13 @@ from .model import GDNBlock, HymoModel, positions_in_documents
 from .moe import MoE
 
 
+def _readout(model: HymoModel, h: torch.Tensor) -> torch.Tensor:
+    """The main head's logits as HymoModel.forward computes them (the tied head, muP's multiplier)."""
+    mult = model.logit_multiplier
+    x = model.norm(h)
+    return F.linear(x if mult == 1.0 else x * mult, model.tok_embeddings.weight)
+
+
 @dataclass
 class GDNLayerCache:
     state: torch.Tensor  # [B, H, K, V] fp32 recurrent state
@@ -308,11 +315,10 @@ class HymoDecoder:
                 out, cache.layers[name] = mla_prefill(layer.attn, layer.attn_norm(h), rope, cu, positions, capacity)
                 h = h + out
                 h = h + dropless_moe(layer.moe, layer.ffn_norm(h))
-        head = model.tok_embeddings.weight
         if all_logits:
-            logits = F.linear(model.norm(h[0]), head)
+            logits = _readout(model, h[0])
             return list(logits.split(lengths.tolist())), cache
-        return F.linear(model.norm(h[0, cu[1:] - 1]), head), cache
+        return _readout(model, h[0, cu[1:] - 1]), cache
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
@@ -336,7 +342,7 @@ class HymoDecoder:
                 h = h + dropless_moe(layer.moe, layer.ffn_norm(h))
         cache.lengths = lengths + 1
         cache.max_length += 1
-        return F.linear(model.norm(h), model.tok_embeddings.weight)
+        return _readout(model, h)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,

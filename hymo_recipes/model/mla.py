@@ -65,7 +65,8 @@ class MLA(nn.Module):
         self.qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
         self.v_head_dim = args.v_head_dim
         self.use_rope = use_rope
-        self.softmax_scale = self.qk_head_dim**-0.5
+        # 1/√d; muP (hymo_recipes/mup.py): 1/d, as q·k grows like d once q and k correlate
+        self.softmax_scale = 1.0 / self.qk_head_dim if args.mup_base_width else self.qk_head_dim**-0.5
 
         self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
         self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)

@@ -146,6 +146,10 @@ class HymoModel(nn.Module):
         self.norm.reset_parameters()
         for k, head in self.mtp_heads.items():
             head.init_weights(a.init_std, _out_std(a.init_std, a.n_layers - 1 + int(k)))
+        if a.mup_base_width:  # muP: per-role init-std multipliers on the draws above
+            from hymo_recipes.mup import apply_mup_init
+
+            apply_mup_init(self)
 
     def forward(
         self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None
@@ -171,6 +175,18 @@ class HymoModel(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, cu_seqlens, positions)
         head = self.tok_embeddings.weight
-        logits = F.linear(self.norm(h), head)
-        mtp_logits = [F.linear(mtp(h), head) for mtp in self.mtp_heads.values()]
+        mult = self.logit_multiplier
+        if mult == 1.0:
+            logits = F.linear(self.norm(h), head)
+            mtp_logits = [F.linear(mtp(h), head) for mtp in self.mtp_heads.values()]
+        else:  # muP's readout multiplier on the tied head (on its input: the same logits, cheaper)
+            logits = F.linear(self.norm(h) * mult, head)
+            mtp_logits = [F.linear(mtp(h) * mult, head) for mtp in self.mtp_heads.values()]
         return logits, mtp_logits
+
+    @property
+    def logit_multiplier(self) -> float:
+        """Factor on every logit of the tied head: muP's 1/width_mult, 1.0 without muP. Code
+        that computes logits itself (``F.linear(norm(h), tok_embeddings.weight)``) must apply it."""
+        a = self.model_args
+        return a.mup_base_width / a.dim if a.mup_base_width else 1.0

@@ -6,8 +6,9 @@ once every rank's DCP save of it has finished, ``hymo_manifest.json``: the token
 model args that set parameter shapes, and the size and CRC-32 of every file of the folder (each
 rank checksums the shards it wrote, right after writing them). A save runs:
 
-1. rank 0 replaces a leftover folder of that step (an unfinished or skipped save) and writes the
-   marker ``.hymo_saving`` into the new one;
+1. rank 0 removes the folders of unfinished saves (a marker, no manifest: a resume skips them,
+   and TorchTitan's ``keep_latest_k`` would count them), replaces a leftover folder of that step
+   (an unfinished or skipped save) and writes the marker ``.hymo_saving`` into the new one;
 2. TorchTitan's save (DCP: shards, then ``.metadata``);
 3. the checksums, gathered on rank 0, which writes the manifest last (a temporary file and a
    rename) and removes the marker.
@@ -158,6 +159,15 @@ def plan_resume(folder: str, load_step: int = -1) -> ResumePlan | None:
                           else f"it has no {MANIFEST} (written before HyMo recorded tokenizer, model shape and "
                                "checksums, or the file was removed)")
     return plan
+
+
+def unfinished_saves(folder: str) -> list[str]:
+    """The step folders of `folder` whose save began (its marker) and never wrote its manifest."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                  if re.fullmatch(r"step-\d+", n) and _has(os.path.join(folder, n), SAVING)
+                  and not _has(os.path.join(folder, n), MANIFEST))
 
 
 def resume_hint(earlier: list[int]) -> str:
@@ -342,6 +352,12 @@ class SaveGuard:
         error = None
         if rank == 0:
             try:
+                for other in unfinished_saves(ck.folder):
+                    if other != path:
+                        # unusable (a resume skips it), and TorchTitan's keep_latest_k would count it
+                        # among the checkpoints it keeps, deleting a whole one instead
+                        logger.warning(f"removing {other}: a save that did not finish (no {MANIFEST})")
+                        shutil.rmtree(other)
                 if os.path.isdir(path):
                     logger.warning(f"replacing {path}, left by an earlier run (a save that did not finish, or skipped "
                                    "at resume)")

@@ -45,6 +45,10 @@ class Hymo:
     forward in the backward: the least memory, a slower backward), or "flavor" to keep the
     flavor's. Memory and time of each: BENCHMARKS.md. Values other than "table" need
     gdn_backend "triton"."""
+    mup_base_width: int = -1
+    """muP (hymo_recipes/mup.py): the base width at which init and lrs were tuned; the model's
+    dim is the target. 0 turns muP off, -1 keeps the flavor's (off in every shipped flavor).
+    On: per-role init and lr multipliers, MLA softmax scale 1/d, logits × base/dim."""
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:
     such a run stops before anything is built, naming the file (a local dataset), or when the

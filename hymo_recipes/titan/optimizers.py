@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from hymo_recipes.mup import apply_mup_to_param_groups, part_width_mult
 from hymo_recipes.optim._dist import local as _local
 from hymo_recipes.optim.cautious_adamw import CautiousAdamW
 from hymo_recipes.optim.nan_guard import NonFiniteGuard
@@ -334,6 +335,13 @@ def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
         if not params:
             return {}
         impl = cfg.implementation
+        m = part_width_mult(part)
+        if m is not None:
+            # muP: the same single weight decay, one group per role for its lr multiplier
+            groups = apply_mup_to_param_groups(
+                {"adamw": [dict(params=params, group="all", lr_mult=1.0)]},
+                [(n, p) for n, p in part.named_parameters() if p.requires_grad], m)["adamw"]
+            params = [{**g, "lr": cfg.lr * g["lr_mult"]} for g in groups]
         return {"adamw": torch.optim.AdamW(
             params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused",
@@ -353,6 +361,11 @@ def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
         raise ValueError(
             f"optimizer.name must be NorMuon, CautiousAdamW or AdamW, got {cfg.name!r}"
         )
+    m = part_width_mult(part)
+    if m is not None:
+        # muP (model_args.mup_base_width > 0): per-role lr multipliers of the optimizer each
+        # group ended up on (hymo_recipes/mup.py); nothing changes with muP off
+        groups = apply_mup_to_param_groups(groups, part.named_parameters(), m)
 
     def with_lr(gs, base_lr):
         return [{**g, "lr": base_lr * g["lr_mult"]} for g in gs]

@@ -166,7 +166,8 @@ def test_debug_flavor_cached_logits_equal_forward(prompt_lens):
     dict(nope_layers=(3,)),  # the NoPE-hybrid ablation: unrotated rope slices
     dict(gdn_ffn_dim=48, moe_num_shared_experts=0, mla_layers=(1, 3)),  # dense FFN on GDN blocks, two MLA layers
     dict(gdn_backend="naive", moe_capacity_factor=1.0),
-], ids=["mqa", "gqa", "mha", "nope", "ffn_two_mla", "naive_backend"])
+    dict(mup_base_width=16),  # muP: the readout's logit multiplier and MLA's 1/d scale
+], ids=["mqa", "gqa", "mha", "nope", "ffn_two_mla", "naive_backend", "mup"])
 def test_tiny_cached_logits_equal_forward(tiny_args, overrides):
     _check_decoding(_model(tiny_args(**overrides)), (4, 9, 2), n_steps=5)
 

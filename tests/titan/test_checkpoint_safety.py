@@ -371,3 +371,20 @@ def test_a_full_disk_in_a_real_run_keeps_the_previous_checkpoint(tmp_path):
         assert not (disk / run_lock.LOCK_NAME).exists()
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_unfinished_saves_are_removed_by_the_next_save(run_dir, caplog):
+    """A folder with the marker and no manifest is unusable; left in place it would count among
+    checkpoint.keep_latest_k, and TorchTitan would delete a whole checkpoint instead of it."""
+    dump, folder = run_dir
+    for step in (3, 9):
+        shutil.copytree(folder / "step-4", folder / f"step-{step}")
+        (folder / f"step-{step}" / checkpoints.MANIFEST).unlink()
+        (folder / f"step-{step}" / checkpoints.SAVING).write_text("{}")
+    (folder / "step-7").mkdir()  # no marker: not HyMo's to judge, left alone
+    assert checkpoints.unfinished_saves(str(folder)) == [str(folder / "step-3"), str(folder / "step-9")]
+    with caplog.at_level("WARNING"):
+        _train(dump, 2)  # saves step 2 again
+    assert not (folder / "step-3").exists() and not (folder / "step-9").exists() and (folder / "step-7").is_dir()
+    assert (folder / "step-4" / checkpoints.MANIFEST).is_file() and (folder / "step-2" / checkpoints.MANIFEST).is_file()
+    assert "removing" in caplog.text and "step-9: a save that did not finish" in caplog.text
