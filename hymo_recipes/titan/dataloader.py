@@ -211,9 +211,13 @@ class HymoTextDataset(HuggingFaceTextDataset):
 
     def _encoded(self, samples):
         """The token ids of each document of ``samples``, in order, with BOS and EOS as
-        TorchTitan's loop adds them, read and tokenized ahead by a background thread
-        (ReadAhead). Only the consumed documents count in the saved position
-        (``_sample_idx``); read-ahead ones are read again after a resume."""
+        TorchTitan's loop adds them. A map-style dataset is read and tokenized ahead by a
+        background thread (ReadAhead): its saved position is the count of consumed documents
+        (``_sample_idx``), so read-ahead ones are read again after a resume. A streaming
+        dataset saves its iterator's own state, which reading ahead would move past documents
+        not yet trained on: it is tokenized here, one document at a time."""
+        if not self.map_style:
+            return (self._tokenizer.encode(self._text_processor(s), add_bos=True, add_eos=True) for s in samples)
         return iter(ReadAhead(samples, self._text_processor, batch_encoder(self._tokenizer),
                               self.lookahead_tokens))
 

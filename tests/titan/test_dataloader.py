@@ -266,3 +266,40 @@ def test_read_ahead_keeps_to_its_budget_and_raises_the_threads_error():
     assert got == list(range(1, 5 * CHUNK_DOCS))
     with pytest.raises(ValueError, match="bad document 323"):
         next(it)
+
+
+def test_a_streaming_dataset_resumes_exactly(tokenizer, monkeypatch):
+    """A streaming dataset's saved position is its iterator's own state: it must be the position
+    of the documents consumed (not of documents a reader thread took ahead), so that a resume
+    continues with the very next sequence."""
+    import copy
+
+    from datasets import load_dataset
+
+    from hymo_recipes.titan.dataloader import HymoTextDataset
+
+    def streaming():
+        ds = HymoTextDataset(dataset_name="brown", dataset_path=str(REPO / "data/brown"), tokenizer=tokenizer,
+                             seq_len=SEQ, dp_rank=0, dp_world_size=1, infinite=False)
+        ds._data = load_dataset("parquet", data_files=str(REPO / "data/brown/train.parquet"), split="train",
+                                streaming=True)
+        assert not ds.map_style
+        return ds
+
+    from hymo_recipes.titan import dataloader as dl
+
+    def no_read_ahead(*args, **kwargs):
+        raise AssertionError("a streaming dataset must not be read ahead: its saved state would run ahead")
+
+    monkeypatch.setattr(dl, "ReadAhead", no_read_ahead)
+    ds = streaming()
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    state = copy.deepcopy(ds.state_dict())
+    expected = [next(it) for _ in range(3)]
+    resumed = streaming()
+    resumed.load_state_dict(state)
+    got = [x for x, _ in zip(resumed, range(3))]
+    for (x, y), (x_ref, y_ref) in zip(got, expected, strict=True):
+        assert torch.equal(x["input"], x_ref["input"]) and torch.equal(y, y_ref)
