@@ -8,6 +8,8 @@ The modules, on the same input x [B, T, dim] (bf16 on the GPU):
 - ``hymo``: HyMo's ``GatedDeltaNet`` (hymo_recipes.model.gdn) at the 750m flavor's shape (dim 896,
   40 heads, K = V = 32), the Triton backend with its fused ops (hymo_kernels.gdn.mixer), compiled
   as training compiles it (per module, ``torch.compile``) unless ``--no-compile``;
+  ``hymo_keep`` the same keeping the conv outputs and the gated norm's output for the backward
+  (``gdn_mixer_saves = "outputs"``) instead of recomputing them;
   ``hymo_unfused`` the same with ``gdn_fused_mixer = False`` (conv, norms and gates in PyTorch);
 - ``fla``: flash-linear-attention's ``fla.layers.GatedDeltaNet`` at the same shape (short conv,
   output gate, chunk mode; its own fused kernels; never compiled, as fla's layer is not
@@ -34,6 +36,9 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+MODULES = ("hymo", "hymo_keep", "hymo_unfused", "fla", "gemms")
 
 
 def log(msg: str) -> None:
@@ -144,13 +149,13 @@ def measure(name: str, module: nn.Module, x: torch.Tensor, args) -> Result:
     return res
 
 
-def build_hymo(args, device, dtype, fused: bool = True):
+def build_hymo(args, device, dtype, fused: bool = True, saves: str = "inputs"):
     from hymo_recipes.model import HymoModelArgs
     from hymo_recipes.model.gdn import GatedDeltaNet
 
     margs = HymoModelArgs(dim=args.dim, gdn_n_heads=args.heads, gdn_head_dim=args.head_dim,
                           gdn_v_head_dim=args.head_dim, gdn_backend="torch_chunk" if args.dry else "triton",
-                          gdn_fused_mixer=fused)
+                          gdn_fused_mixer=fused, gdn_mixer_saves=saves)
     m = GatedDeltaNet(margs).to(device=device)
     m.init_weights(0.02, 0.02)
     m = m.to(dtype)
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; 2 with --dry)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed fwd+bwd first (default 5; 1 with --dry)")
+    ap.add_argument("--only", nargs="+", choices=MODULES, default=None, help="time only these modules")
     args = ap.parse_args(argv)
     dry = args.dry
     args.batch = args.batch or (1 if dry else 16)
@@ -212,10 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.batch, args.seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
     log(f"x [{args.batch}, {args.seq_len}, {args.dim}] {str(dtype).removeprefix('torch.')}, {args.heads} heads of "
         f"K = V = {args.head_dim}, compile {'on' if args.compile else 'off'}")
-    results = [measure("hymo", build_hymo(args, device, dtype), x, args)]
-    if not dry:
+    only = set(args.only or MODULES)
+    results = []
+    if "hymo" in only:
+        results.append(measure("hymo", build_hymo(args, device, dtype), x, args))
+    if "hymo_keep" in only and not dry:
+        results.append(measure("hymo_keep", build_hymo(args, device, dtype, saves="outputs"), x, args))
+    if "hymo_unfused" in only and not dry:
         results.append(measure("hymo_unfused", build_hymo(args, device, dtype, fused=False), x, args))
-    if dry:
+    if "fla" not in only:
+        pass
+    elif dry:
         results.append(Result("fla", note="skipped: GPU only"))
     else:
         try:
@@ -224,17 +237,23 @@ def main(argv: list[str] | None = None) -> int:
             results.append(Result("fla", note=f"not available: {type(e).__name__}: {e}"[:200]))
         else:
             results.append(measure("fla", fla_mod, x, args))
-    results.append(measure("gemms", Gemms(args.dim, args.heads, args.head_dim, args.head_dim).to(device, dtype), x,
-                           args))
+    if "gemms" in only:
+        results.append(measure("gemms", Gemms(args.dim, args.heads, args.head_dim, args.head_dim).to(device, dtype),
+                               x, args))
     by = {r.name: r for r in results}
     print("| module | fwd ms | fwd+bwd ms | saved KiB/token | alloc KiB/token | note |")
     print("|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r.name} | {r.fwd_ms:.3f} | {r.fwdbwd_ms:.3f} | {r.saved_kib:.1f} | {r.alloc_kib:.1f} | {r.note} |")
-    h, f, g = by["hymo"], by["fla"], by["gemms"]
-    print(f"hymo / fla fwd+bwd: {h.fwdbwd_ms / f.fwdbwd_ms:.2f}x; hymo / gemms fwd+bwd: {h.fwdbwd_ms / g.fwdbwd_ms:.2f}x; "
-          f"saved per token hymo / fla: {h.saved_kib / f.saved_kib:.2f}x")
-    return 1 if h.note else 0
+    for name in ("hymo", "hymo_keep"):
+        h = by.get(name)
+        if h is None:
+            continue
+        for peer in ("fla", "gemms"):
+            if peer in by and by[peer].fwdbwd_ms == by[peer].fwdbwd_ms:  # measured (not NaN)
+                print(f"{name} / {peer}: fwd+bwd {h.fwdbwd_ms / by[peer].fwdbwd_ms:.2f}x, "
+                      f"saved per token {h.saved_kib / by[peer].saved_kib:.2f}x")
+    return 1 if any(r.note and r.name.startswith("hymo") for r in results) else 0
 
 
 if __name__ == "__main__":

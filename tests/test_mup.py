@@ -198,7 +198,8 @@ def test_the_hymo_knob_sets_the_base_width():
             training=types.SimpleNamespace(seq_len=64), validation=types.SimpleNamespace(enable=False),
             parallelism=types.SimpleNamespace(context_parallel_degree=1),
             hymo=types.SimpleNamespace(vocab_size=0, gdn_backend="flavor", gdn_dot_precision="flavor",
-                                       gdn_bwd_path="flavor", mup_base_width=mup_base_width))
+                                       gdn_bwd_path="flavor", gdn_mixer_saves="flavor",
+                                       mup_base_width=mup_base_width))
 
     args = dataclasses.replace(CC_BASE, mup_base_width=16)
     args.update_from_config(job(-1))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS
+from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS, GDN_MIXER_SAVES
 
 
 @dataclass
@@ -47,6 +47,10 @@ class HymoModelArgs:
     # with the Triton backend: the conv, SiLU, q/k norm and gated output norm fused around the
     # kernel (hymo_kernels.gdn.mixer), which keeps far fewer activations; False runs them in PyTorch
     gdn_fused_mixer: bool = True
+    # what the fused mixer keeps for its backward: "inputs" (the projections; the conv outputs and
+    # the gated norm's output are recomputed: the least memory) or "outputs" (those kept too:
+    # three [B, T, H·K]-sized tensors and one like the output more per layer, no recompute)
+    gdn_mixer_saves: str = "inputs"
     gdn_A_init_range: tuple[float, float] = (0.0, 16.0)  # A ~ U(lo, hi), A_log = log A
     gdn_dt_min: float = 1e-3  # dt ~ logU(dt_min, dt_max), dt_bias = softplus⁻¹(dt)
     gdn_dt_max: float = 0.1
@@ -128,6 +132,12 @@ class HymoModelArgs:
                              f"gdn_backend is {self.gdn_backend!r} (use \"table\", or gdn_backend = \"triton\")")
         if self.gdn_bwd_path not in GDN_BWD_PATHS:
             raise ValueError(f"unknown gdn_bwd_path {self.gdn_bwd_path!r}; choose one of {list(GDN_BWD_PATHS)}")
+        if self.gdn_mixer_saves not in GDN_MIXER_SAVES:
+            raise ValueError(f"unknown gdn_mixer_saves {self.gdn_mixer_saves!r}; choose one of {list(GDN_MIXER_SAVES)}")
+        if self.gdn_mixer_saves != "inputs" and not (self.gdn_backend == "triton" and self.gdn_fused_mixer):
+            raise ValueError(f"gdn_mixer_saves = {self.gdn_mixer_saves!r} sets what the fused Triton mixer keeps; "
+                             f"gdn_backend is {self.gdn_backend!r}, gdn_fused_mixer {self.gdn_fused_mixer} (use "
+                             "\"inputs\", or gdn_backend = \"triton\" with the fused mixer)")
         if self.gdn_bwd_path != "table" and self.gdn_backend != "triton":
             raise ValueError(f"gdn_bwd_path = {self.gdn_bwd_path!r} picks the Triton kernel's backward; "
                              f"gdn_backend is {self.gdn_backend!r} (use \"table\", or gdn_backend = \"triton\")")
@@ -179,7 +189,7 @@ class HymoModelArgs:
 
         Takes the longest sequence run (``training.seq_len``, ``validation.seq_len``) as
         ``max_seq_len`` and applies the ``[hymo]`` knobs that name model fields (``vocab_size``,
-        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``, ``mup_base_width``; 0,
+        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``, ``gdn_mixer_saves``, ``mup_base_width``; 0,
         "flavor" or -1 keeps the flavor's), then validates. A pure function of the config: it
         reads no file and probes no device. The tokenizer's vocabulary and whether the machine
         can run the backend are settled before the Trainer starts (``hymo_recipes.titan.preflight``).
@@ -197,7 +207,7 @@ class HymoModelArgs:
         if hymo is not None:
             if hymo.vocab_size:
                 self.vocab_size = hymo.vocab_size
-            for name in ("gdn_backend", "gdn_dot_precision", "gdn_bwd_path"):
+            for name in ("gdn_backend", "gdn_dot_precision", "gdn_bwd_path", "gdn_mixer_saves"):
                 if getattr(hymo, name) != "flavor":
                     setattr(self, name, getattr(hymo, name))
             if getattr(hymo, "mup_base_width", -1) >= 0:  # -1 keeps the flavor's

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hymo_kernels.gdn import GDN_DOT_PRECISIONS, get_backend
+from hymo_kernels.gdn import GDN_DOT_PRECISIONS, GDN_MIXER_SAVES, get_backend
 from hymo_kernels.gdn.mixer_torch import gated_rms_norm, l2_normalize, short_causal_conv
 
 try:  # the fused ops need Triton; only the Triton backend uses them
@@ -81,6 +81,7 @@ class GatedDeltaNet(nn.Module):
             self._rule_kwargs["bwd_path"] = args.gdn_bwd_path
         # fused Triton ops around the kernel (hymo_kernels.gdn.mixer): the Triton backend's path
         self.fused = args.gdn_backend == "triton" and args.gdn_fused_mixer
+        self.keep = GDN_MIXER_SAVES[args.gdn_mixer_saves]  # the fused ops' saved tensors
         self.A_init_range = args.gdn_A_init_range
         self.dt_init = (args.gdn_dt_min, args.gdn_dt_max, args.gdn_dt_init_floor)
 
@@ -99,8 +100,9 @@ class GatedDeltaNet(nn.Module):
             o = conv_gated_delta_rule(
                 self.q_proj(x), self.k_proj(x), self.v_proj(x), self.q_conv1d.weight[:, 0],
                 self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0], g, beta, head_k=self.head_dim,
-                head_v=self.v_head_dim, cu_seqlens=cu_seqlens, positions=positions, **self._rule_kwargs)
-            return gated_norm_linear(o, self.g_proj(x), self.o_norm.weight, self.o_proj.weight, self.o_norm.eps)
+                head_v=self.v_head_dim, cu_seqlens=cu_seqlens, positions=positions, keep=self.keep, **self._rule_kwargs)
+            return gated_norm_linear(o, self.g_proj(x), self.o_norm.weight, self.o_proj.weight, self.o_norm.eps,
+                                     keep=self.keep)
         q = F.silu(short_causal_conv(self.q_proj(x), self.q_conv1d.weight, positions))
         k = F.silu(short_causal_conv(self.k_proj(x), self.k_conv1d.weight, positions))
         v = F.silu(short_causal_conv(self.v_proj(x), self.v_conv1d.weight, positions))

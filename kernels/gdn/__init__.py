@@ -39,6 +39,11 @@ GDN_DOT_PRECISIONS = {
 # bwd_path, config.BWD_PATHS (config.py imports no Triton, like this module)
 GDN_BWD_PATHS = ("table", *BWD_PATHS)
 
+# gdn_mixer_saves (model arg, [hymo] knob): what the fused mixer (mixer.py) keeps for its
+# backward, "inputs" (conv outputs and the gated norm's output recomputed) or "outputs" (kept);
+# each value is the ``keep`` argument of its two ops
+GDN_MIXER_SAVES = {"inputs": False, "outputs": True}
+
 
 def get_backend(name: str):
     """Returns the recurrence function of a backend, or raises a ValueError naming the choices."""
@@ -55,4 +60,4 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-__all__ = ["BACKENDS", "GDN_BWD_PATHS", "GDN_DOT_PRECISIONS", "gated_delta_rule", "get_backend", "naive_recurrent_gated_delta_rule"]
+__all__ = ["BACKENDS", "GDN_BWD_PATHS", "GDN_DOT_PRECISIONS", "GDN_MIXER_SAVES", "gated_delta_rule", "get_backend", "naive_recurrent_gated_delta_rule"]

@@ -9,6 +9,9 @@ the conv reads anyway), the decay g and β, and the kernel's own saved states; t
 and 1/rms per row, never the normalised product: the backward recomputes it for the weight
 gradient.
 
+With ``keep=True`` each op also keeps what it would otherwise recompute in the backward (the
+conv outputs; the normalised product), trading memory for the recompute's time.
+
 Both are ``torch.library.custom_op`` pairs with fake implementations, so ``torch.compile``
 traces them without a graph break and Inductor cannot change what they save.
 """
@@ -39,27 +42,30 @@ def _heads(x: torch.Tensor, d: int) -> torch.Tensor:
 def conv_gdn_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                  wv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
                  positions: torch.Tensor | None, head_k: int, head_v: int, scale: float,
-                 dot_bf16: bool | None = None, t_bf16: bool | None = None, bwd_path: str | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (o [B, T, H, V], the kernel's saved states, its saved T)."""
+                 dot_bf16: bool | None = None, t_bf16: bool | None = None, bwd_path: str | None = None,
+                 keep: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (o [B, T, H, V], the kernel's saved states, its saved T, the conv outputs q, k, v);
+    ``keep``: the backward reads the conv outputs instead of recomputing them."""
     q = _heads(conv_silu_fwd(q_in, wq, positions), head_k)
     k = _heads(conv_silu_fwd(k_in, wk, positions), head_k)
     v = _heads(conv_silu_fwd(v_in, wv, positions), head_v)
     o, _, states, tinv = _chunk._forward(q, k, v, g, beta, None, cu_seqlens, scale, True, dot_bf16, t_bf16,
                                          bwd_path)
-    return o, states, tinv
+    return o, states, tinv, q, k, v
 
 
 @conv_gdn_fwd.register_fake
 def _(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, head_k, head_v, scale, dot_bf16=None,
-      t_bf16=None, bwd_path=None):
+      t_bf16=None, bwd_path=None, keep=False):
     B, T, _ = q_in.shape
     q, v = q_in.new_empty(B, T, q_in.shape[-1] // head_k, head_k), v_in.new_empty(B, T, v_in.shape[-1] // head_v, head_v)
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
     cfg = _overridden(cfg, dot_bf16, t_bf16, bwd_path)
     return (v.new_empty(B, T, H, V),
             q.new_empty(NC * cfg.slots, H, K, V, dtype=saved_states_dtype(cfg, q.dtype)),
-            q.new_empty(B, T, H, cfg.BC, dtype=saved_t_dtype(cfg, q.dtype)))
+            q.new_empty(B, T, H, cfg.BC, dtype=saved_t_dtype(cfg, q.dtype)),
+            torch.empty_like(q), q.new_empty(q.shape), torch.empty_like(v))
 
 
 @torch.library.custom_op("hymo_kernels::conv_gdn_bwd", mutates_args=())
@@ -67,12 +73,15 @@ def conv_gdn_bwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq:
                  wv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
                  positions: torch.Tensor | None, states: torch.Tensor, tinv: torch.Tensor, do: torch.Tensor,
                  head_k: int, head_v: int, scale: float, dot_bf16: bool | None = None, t_bf16: bool | None = None,
-                 bwd_path: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq_in, dk_in, dv_in, dwq, dwk, dwv, dg, dbeta)."""
-    q = _heads(conv_silu_fwd(q_in, wq, positions), head_k)
-    k = _heads(conv_silu_fwd(k_in, wk, positions), head_k)
-    v = _heads(conv_silu_fwd(v_in, wv, positions), head_v)
+                 bwd_path: str | None = None, q: torch.Tensor | None = None, k: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq_in, dk_in, dv_in, dwq, dwk, dwv, dg, dbeta); q, k, v: the forward's conv
+    outputs if it kept them, else recomputed."""
+    if q is None:
+        q = _heads(conv_silu_fwd(q_in, wq, positions), head_k)
+        k = _heads(conv_silu_fwd(k_in, wk, positions), head_k)
+        v = _heads(conv_silu_fwd(v_in, wv, positions), head_v)
     dq, dk, dv, dg, db, _ = _chunk._backward(q, k, v, g, beta, None, cu_seqlens, states, tinv, do.contiguous(), None,
                                              scale, True, dot_bf16, t_bf16, bwd_path)
     del q, k, v
@@ -85,25 +94,26 @@ def conv_gdn_bwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq:
 
 @conv_gdn_bwd.register_fake
 def _(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, do, head_k, head_v, scale,
-      dot_bf16=None, t_bf16=None, bwd_path=None):
+      dot_bf16=None, t_bf16=None, bwd_path=None, q=None, k=None, v=None):
     return (torch.empty_like(q_in), torch.empty_like(k_in), torch.empty_like(v_in), torch.empty_like(wq),
             torch.empty_like(wk), torch.empty_like(wv), torch.empty_like(g), torch.empty_like(beta))
 
 
 def _conv_gdn_setup(ctx, inputs, output):
     (q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, head_k, head_v, scale, dot_bf16, t_bf16,
-     bwd_path) = inputs
-    ctx.save_for_backward(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, output[1], output[2])
+     bwd_path, keep) = inputs
+    kept = output[3:6] if keep else (None, None, None)
+    ctx.save_for_backward(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, output[1], output[2], *kept)
     ctx.args = (head_k, head_v, scale, dot_bf16, t_bf16, bwd_path)
     ctx.set_materialize_grads(False)
 
 
-def _conv_gdn_backward(ctx, do, _dstates, _dtinv):
-    q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv = ctx.saved_tensors
+def _conv_gdn_backward(ctx, do, _dstates, _dtinv, _dq, _dk, _dv):
+    q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, q, k, v = ctx.saved_tensors
     head_k, head_v, scale, dot_bf16, t_bf16, bwd_path = ctx.args
     grads = conv_gdn_bwd(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, do, head_k,
-                         head_v, scale, dot_bf16, t_bf16, bwd_path)
-    return (*grads, None, None, None, None, None, None, None, None)
+                         head_v, scale, dot_bf16, t_bf16, bwd_path, q, k, v)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 conv_gdn_fwd.register_autograd(_conv_gdn_backward, setup_context=_conv_gdn_setup)
@@ -111,7 +121,7 @@ conv_gdn_fwd.register_autograd(_conv_gdn_backward, setup_context=_conv_gdn_setup
 
 def conv_gated_delta_rule(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k: int, head_v: int,
                           scale: float | None = None, cu_seqlens=None, positions=None, dot_bf16=None, t_bf16=None,
-                          bwd_path=None) -> torch.Tensor:
+                          bwd_path=None, keep: bool = False) -> torch.Tensor:
     """silu(conv(q_in)), ... -> gated delta rule (q, k L2-normalised in the kernels) -> o [B, T, H, V].
 
     Args:
@@ -124,13 +134,15 @@ def conv_gated_delta_rule(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k: int,
         cu_seqlens, positions: a packed batch's document boundaries [N + 1] and in-document positions [T] (B = 1).
             Default: None.
         dot_bf16, t_bf16, bwd_path: the kernel's choices (hymo_kernels.gdn.chunk_gated_delta_rule).
+        keep: keep the conv outputs for the backward (3 more [B, T, C] tensors) instead of
+            recomputing them there.
+            Default: False.
     """
     scale = head_k ** -0.5 if scale is None else float(scale)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
-    o, _, _ = conv_gdn_fwd(q_in, k_in, v_in, wq, wk, wv, g.contiguous(), beta.contiguous(), cu_seqlens, positions,
-                           head_k, head_v, scale, dot_bf16, t_bf16, bwd_path)
-    return o
+    return conv_gdn_fwd(q_in, k_in, v_in, wq, wk, wv, g.contiguous(), beta.contiguous(), cu_seqlens, positions,
+                        head_k, head_v, scale, dot_bf16, t_bf16, bwd_path, keep)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,21 +152,25 @@ def conv_gated_delta_rule(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k: int,
 
 @torch.library.custom_op("hymo_kernels::gated_norm_linear_fwd", mutates_args=())
 def gated_norm_linear_fwd(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          eps: float, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out, 1/rms per row, the normalised product y); ``keep``: the backward reads y
+    instead of recomputing it."""
     y, rstd = gated_norm_fwd(o, gate, norm_w, eps)
-    return F.linear(y.view(*o.shape[:2], -1), out_w), rstd
+    return F.linear(y.view(*o.shape[:2], -1), out_w), rstd, y
 
 
 @gated_norm_linear_fwd.register_fake
-def _(o, gate, norm_w, out_w, eps):
-    return o.new_empty(*o.shape[:2], out_w.shape[0]), o.new_empty(o.numel() // o.shape[-1], dtype=torch.float32)
+def _(o, gate, norm_w, out_w, eps, keep=False):
+    return (o.new_empty(*o.shape[:2], out_w.shape[0]), o.new_empty(o.numel() // o.shape[-1], dtype=torch.float32),
+            torch.empty_like(o))
 
 
 @torch.library.custom_op("hymo_kernels::gated_norm_linear_bwd", mutates_args=())
 def gated_norm_linear_bwd(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor,
-                          rstd: torch.Tensor, dout: torch.Tensor, eps: float
+                          rstd: torch.Tensor, dout: torch.Tensor, eps: float, y: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, _ = gated_norm_fwd(o, gate, norm_w, eps)  # recomputed: cheaper than keeping it
+    if y is None:
+        y, _ = gated_norm_fwd(o, gate, norm_w, eps)  # recomputed: the forward did not keep it
     y2 = y.view(-1, out_w.shape[1])
     d2 = dout.reshape(-1, out_w.shape[0])
     dout_w = d2.t() @ y2
@@ -164,28 +180,28 @@ def gated_norm_linear_bwd(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Ten
 
 
 @gated_norm_linear_bwd.register_fake
-def _(o, gate, norm_w, out_w, rstd, dout, eps):
+def _(o, gate, norm_w, out_w, rstd, dout, eps, y=None):
     return torch.empty_like(o), torch.empty_like(gate), torch.empty_like(norm_w), torch.empty_like(out_w)
 
 
 def _gnl_setup(ctx, inputs, output):
-    o, gate, norm_w, out_w, eps = inputs
-    ctx.save_for_backward(o, gate, norm_w, out_w, output[1])
+    o, gate, norm_w, out_w, eps, keep = inputs
+    ctx.save_for_backward(o, gate, norm_w, out_w, output[1], output[2] if keep else None)
     ctx.eps = eps
     ctx.set_materialize_grads(False)
 
 
-def _gnl_backward(ctx, dout, _drstd):
-    o, gate, norm_w, out_w, rstd = ctx.saved_tensors
-    do, dgate, dnorm_w, dout_w = gated_norm_linear_bwd(o, gate, norm_w, out_w, rstd, dout, ctx.eps)
-    return do, dgate, dnorm_w, dout_w, None
+def _gnl_backward(ctx, dout, _drstd, _dy):
+    o, gate, norm_w, out_w, rstd, y = ctx.saved_tensors
+    do, dgate, dnorm_w, dout_w = gated_norm_linear_bwd(o, gate, norm_w, out_w, rstd, dout, ctx.eps, y)
+    return do, dgate, dnorm_w, dout_w, None, None
 
 
 gated_norm_linear_fwd.register_autograd(_gnl_backward, setup_context=_gnl_setup)
 
 
 def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor,
-                      eps: float) -> torch.Tensor:
+                      eps: float, keep: bool = False) -> torch.Tensor:
     """out_proj(RMSNorm(o) ⊙ norm_w ⊙ SiLU(gate)).
 
     Args:
@@ -194,7 +210,10 @@ def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor,
         norm_w: [V] RMSNorm weight, shared by the heads.
         out_w: [dim, H·V] output projection weight.
         eps: RMSNorm epsilon.
+        keep: keep the normalised product for the backward (one more tensor like o) instead of
+            recomputing it there.
+            Default: False.
     Returns:
         [B, T, dim].
     """
-    return gated_norm_linear_fwd(o.contiguous(), gate.contiguous().view(o.shape), norm_w, out_w, eps)[0]
+    return gated_norm_linear_fwd(o.contiguous(), gate.contiguous().view(o.shape), norm_w, out_w, eps, keep)[0]

@@ -6,11 +6,12 @@ across a document start). x may be a strided view (its last dim contiguous): the
 the three projections' outputs in as they come.
 
 The backward recomputes the pre-activation from x rather than saving it: the conv's only saved
-tensors are x and w, the inputs it already holds. It runs as two kernels: the first recomputes
-z once per row and writes dz = dy ⊙ silu'(z) (fp32, transient) with the dw partials, the second
-gathers dx from the W rows of dz each row feeds; recomputing z for each of the W rows instead
-costs W² loads per tile. dw is summed per program in fp32 (a [programs, W, C] slab, then one
-sum), so the result does not depend on scheduling.
+tensors are x and w, the inputs it already holds. It is one kernel: each program recomputes z
+and dz = dy ⊙ silu'(z) once per row of its tile, and gathers dx[t] from the W rows of dz at t..t+W-1
+inside the same register tile; tiles overlap by the W - 1 rows that two programs both need, so
+dz never makes a round trip through memory (writing it out and reading it back in a second
+kernel costs twice the bytes of x). dw is summed per program in fp32 (a [programs, W, C] slab,
+then one sum), so the result does not depend on scheduling.
 """
 
 from __future__ import annotations
@@ -44,12 +45,19 @@ def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, s
 
 
 @triton.jit
-def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, dw_ptr, pos_ptr, T, C, NT, stride_xb, stride_xt,
-                    stride_dyb, stride_dyt, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    HAS_POS: tl.constexpr):
-    """dz = dy ⊙ silu'(z) for this program's rows (z recomputed from x), and its dw partial."""
+def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, STEP, stride_xb, stride_xt, stride_dyb,
+                     stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     HAS_POS: tl.constexpr):
+    """dx and the dw partial of the STEP = BT - (W - 1) rows from it·STEP on, and BC channels.
+
+    dz = dy ⊙ silu'(z) (z recomputed from x) is formed over the BT rows from the first one on,
+    so that the W - 1 rows after the last output row are in the tile too: dx[t] = Σ_r
+    w[W-1-r] dz[t + r] then reads rows of the same register tile (a gather along the rows)
+    and dz never goes to memory. Neighbouring programs overlap by W - 1 rows of dz.
+    """
     b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = it * BT + tl.arange(0, BT)
+    i = tl.arange(0, BT)
+    t = it * STEP + i
     c = ic * BC + tl.arange(0, BC)
     tm, cm = t < T, c < C
     if HAS_POS:
@@ -66,43 +74,36 @@ def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, dw_ptr, pos_ptr, T, C, NT, str
     sig = tl.sigmoid(z)
     dy = tl.load(dy_ptr + b * stride_dyb + t[:, None] * stride_dyt + c[None, :], mask=tm[:, None] & cm[None, :],
                  other=0.0).to(tl.float32)
-    dz = dy * sig * (1.0 + z * (1.0 - sig))
-    tl.store(dz_ptr + (b * T + t[:, None]) * C + c[None, :], dz, mask=tm[:, None] & cm[None, :])
-    # dw[c, W-1-j] = Σ_t dz[t] x[t-j] over this program's rows (the same tiles, from cache)
-    dw_base = dw_ptr + ((b * NT + it) * W) * C + c
+    dz = dy * sig * (1.0 + z * (1.0 - sig))  # 0 on rows past T
+    own = tm & (i < STEP)
+    # dx[t] = Σ_r w[W-1-r] dz[t+r] over the taps r that reach row t from inside its document
+    dx = dz * tl.load(w_ptr + c * W + (W - 1), mask=cm, other=0.0).to(tl.float32)[None, :]
+    for r in tl.static_range(1, W):
+        src = tl.minimum(i + r, BT - 1)  # the own rows read i + r < BT
+        dzr = tl.gather(dz, tl.broadcast_to(src[:, None], (BT, BC)), 0)
+        if HAS_POS:
+            okr = (t + r < T) & (tl.load(pos_ptr + t + r, mask=t + r < T, other=0) >= r)
+            dzr = tl.where(okr[:, None], dzr, 0.0)
+        wr = tl.load(w_ptr + c * W + (W - 1 - r), mask=cm, other=0.0).to(tl.float32)
+        dx += dzr * wr[None, :]
+    tl.store(dx_ptr + b * stride_dxb + t[:, None] * stride_dxt + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=own[:, None] & cm[None, :])
+    # dw[c, W-1-j] = Σ_t dz[t] x[t-j] over the own rows (the same x tiles, from cache)
+    dz = tl.where(own[:, None], dz, 0.0)
+    dw_base = dw_ptr + ((b * tl.num_programs(1) + it) * W) * C + c
     for j in tl.static_range(W):
-        ok = tm & (t >= j)
+        ok = own & (t >= j)
         if HAS_POS:
             ok = ok & (pos >= j)
         xs = tl.load(x_base + (t - j)[:, None] * stride_xt, mask=ok[:, None] & cm[None, :], other=0.0)
         tl.store(dw_base + (W - 1 - j) * C, tl.sum(dz * xs.to(tl.float32), 0), mask=cm)
 
 
-@triton.jit
-def _conv_dx_kernel(dz_ptr, w_ptr, dx_ptr, pos_ptr, T, C, stride_dxb, stride_dxt, W: tl.constexpr,
-                    BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
-    """dx[t] = Σ_r w[W-1-r] dz[t+r] over the taps r that reach row t from inside its document."""
-    b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = it * BT + tl.arange(0, BT)
-    c = ic * BC + tl.arange(0, BC)
-    cm = c < C
-    dx = tl.zeros([BT, BC], dtype=tl.float32)
-    for r in tl.static_range(W):
-        s = t + r
-        ok = s < T
-        if HAS_POS:
-            ok = ok & (tl.load(pos_ptr + s, mask=ok, other=0) >= r)
-        wr = tl.load(w_ptr + c * W + (W - 1 - r), mask=cm, other=0.0).to(tl.float32)
-        dz = tl.load(dz_ptr + (b * T + s[:, None]) * C + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
-        dx += dz * wr[None, :]
-    tl.store(dx_ptr + b * stride_dxb + t[:, None] * stride_dxt + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=(t < T)[:, None] & cm[None, :])
-
-
-# (rows, channels, warps) per program of the forward and of the backward's two kernels: the
-# fastest of a sweep at the 750m shape on an H200 (benchmarks/HISTORY.md)
+# (rows, channels, warps) per program of the forward and of the backward (whose rows include the
+# W - 1 it shares with the next program), from sweeps at the 750m shape on an H200; what each
+# sweep found: benchmarks/HISTORY.md
 FWD_TILE = (32, 128, 4)
-BWD_TILE = (128, 32, 4)
+BWD_TILE = (64, 32, 4)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
@@ -132,16 +133,15 @@ def conv_silu_bwd(x, w, dy, positions=None):
     B, T, C = x.shape
     W = w.shape[1]
     BT, BC, warps = BWD_TILE
-    NT = triton.cdiv(T, BT)
+    while BT < 2 * W:  # at least W rows per program besides the shared ones
+        BT *= 2
+    STEP = BT - (W - 1)
+    NT = triton.cdiv(T, STEP)
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-    dz = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
     pos = positions if positions is not None else x
-    grid = (B, NT, triton.cdiv(C, BC))
-    has_pos = positions is not None
-    _conv_dz_kernel[grid](x, w, dy, dz, dw_part, pos, T, C, NT, x.stride(0), x.stride(1), dy.stride(0),
-                          dy.stride(1), W=W, BT=BT, BC=BC, HAS_POS=has_pos, num_warps=warps)
-    _conv_dx_kernel[grid](dz, w, dx, pos, T, C, dx.stride(0), dx.stride(1), W=W, BT=BT, BC=BC,
-                          HAS_POS=has_pos, num_warps=warps)
+    _conv_bwd_kernel[(B, NT, triton.cdiv(C, BC))](
+        x, w, dy, dx, dw_part, pos, T, C, STEP, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
+        dx.stride(1), W=W, BT=BT, BC=BC, HAS_POS=positions is not None, num_warps=warps)
     return dx, dw_part.sum(0).t().contiguous().to(w.dtype)  # [C, W]

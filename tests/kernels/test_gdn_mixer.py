@@ -116,6 +116,28 @@ def test_fused_mixer_matches_reference(B, T, lengths, nan_poison):
     check_mixer(B, T, H=2, K=16, V=16, D=24, dtype=torch.float32, tol=1e-5, lengths=lengths)
 
 
+@pytest.mark.parametrize("lengths", [None, [20, 1, 16]], ids=["rows", "packed"])
+def test_fused_mixer_keeping_its_outputs_changes_nothing(lengths, nan_poison):
+    """keep=True (the backward reads the conv outputs and the normalised product the forward
+    kept) gives the same output and gradients, bit for bit, as recomputing them."""
+    B, T, H, K, V, D = (1 if lengths else 2), 37, 2, 16, 16, 24
+    pos = cu = None
+    if lengths:
+        pos = positions_of(lengths).to(DEV)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEV)
+    results = []
+    for keep in (False, True):
+        a = {n: t.float().requires_grad_() for n, t in mixer_inputs(B, T, H, K, V, D).items()}
+        o = conv_gated_delta_rule(a["q_in"], a["k_in"], a["v_in"], a["wq"], a["wk"], a["wv"], a["g"], a["beta"],
+                                  head_k=K, head_v=V, positions=pos, cu_seqlens=cu, keep=keep)
+        out = gated_norm_linear(o, a["gate"], a["nw"], a["ow"], 1e-6, keep=keep)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), {n: t.grad for n, t in a.items()}))
+    (out0, g0), (out1, g1) = results
+    assert torch.equal(out0, out1)
+    assert all(torch.equal(g0[n], g1[n]) for n in g0), [n for n in g0 if not torch.equal(g0[n], g1[n])]
+
+
 def mixer_fused_path(a, H, K, V, positions, cu_seqlens, bwd_path):
     o = conv_gated_delta_rule(a["q_in"], a["k_in"], a["v_in"], a["wq"], a["wk"], a["wv"], a["g"], a["beta"],
                               head_k=K, head_v=V, positions=positions, cu_seqlens=cu_seqlens, bwd_path=bwd_path)

@@ -97,7 +97,28 @@ def test_gdn_kernel_knobs_reach_the_kernel_call(tiny_args, monkeypatch, knob, va
     else:
         monkeypatch.setattr(layer, "_rule", spy)
     layer(torch.randn(1, 9, 64))
-    assert seen == [dict(cu_seqlens=None, **kwargs)]
+    assert seen == [dict(cu_seqlens=None, **kwargs, **({"keep": False} if fused else {}))]
+
+
+@pytest.mark.parametrize("saves, keep", [("inputs", False), ("outputs", True)])
+def test_gdn_mixer_saves_reaches_the_fused_ops(tiny_args, monkeypatch, saves, keep):
+    """gdn_mixer_saves becomes the ``keep`` argument of both fused ops."""
+    layer = GatedDeltaNet(tiny_args(gdn_backend="triton", gdn_mixer_saves=saves))
+    layer.init_weights(0.02, 0.01)
+    seen = []
+
+    def conv_spy(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k, head_v, positions, keep, **kw):
+        seen.append(("conv", keep))
+        return torch.zeros(*q_in.shape[:2], q_in.shape[-1] // head_k, head_v)
+
+    def norm_spy(o, gate, norm_w, out_w, eps, keep):
+        seen.append(("norm", keep))
+        return torch.zeros(*o.shape[:2], out_w.shape[0])
+
+    monkeypatch.setattr(gdn_module, "conv_gated_delta_rule", conv_spy)
+    monkeypatch.setattr(gdn_module, "gated_norm_linear", norm_spy)
+    layer(torch.randn(1, 9, 64))
+    assert seen == [("conv", keep), ("norm", keep)]
 
 
 def test_gdn_backends_agree_through_the_layer(tiny_args):
