@@ -8,9 +8,12 @@ trainer writes it, saved by any number of ranks, or a dump folder / its ``checkp
 read into one process without a process group (``torch.distributed.checkpoint.load`` reshards
 the FSDP2 shards into whole tensors); only the model's entries are read, not the optimizer's.
 
-The model is rebuilt from the checkpoint's ``hymo_manifest.json`` (flavor, shape, tokenizer) or,
-for a checkpoint without one, from ``--flavor`` / ``--config``; the tokenizer from
-``--tokenizer``, the config's ``model.hf_assets_path``, the manifest's path or
+The model is rebuilt from the checkpoint's ``hymo_manifest.json`` (flavor, shape, muP's base
+width, tokenizer) or, for a checkpoint without one, from ``--flavor`` / ``--config`` (its ``[hymo]
+mup_base_width``, else the flavor's); a manifest that does not record the base width was written
+with muP off. The base width changes no shape but sets the logit multiplier and MLA's softmax
+scale: a model rebuilt with another one would load and sample from other logits. The tokenizer
+comes from ``--tokenizer``, the config's ``model.hf_assets_path``, the manifest's path or
 ``assets/tokenizer``, and it must be the one the checkpoint was trained with. On a machine
 without CUDA the GDN layers run the chunked PyTorch reference (a flavor's "triton" backend is
 replaced).
@@ -142,9 +145,12 @@ def read_config(path: str) -> dict:
         raise GenerateError(f"cannot read --config {path}: {e}") from None
 
 
-def model_args(manifest: dict | None, flavor: str | None, vocab_size: int, step_dir: str) -> tuple[str, HymoModelArgs]:
-    """(flavor, model args): the manifest's flavor and shape, or the named flavor with `vocab_size`
-    (the config's [hymo] vocab_size or the tokenizer's, as in training)."""
+def model_args(manifest: dict | None, flavor: str | None, vocab_size: int, step_dir: str,
+               mup_base_width: int | None = None) -> tuple[str, HymoModelArgs]:
+    """(flavor, model args): the manifest's flavor, shape and muP base width, or the named flavor
+    with `vocab_size` (the config's [hymo] vocab_size or the tokenizer's, as in training) and
+    `mup_base_width` (the config's [hymo] mup_base_width; None or -1: the flavor's). With a
+    manifest, a given `mup_base_width` must agree with it."""
     identity = (manifest or {}).get("identity") or {}
     trained = identity.get("flavor")
     if flavor is not None and flavor not in hymo_flavors:
@@ -159,13 +165,20 @@ def model_args(manifest: dict | None, flavor: str | None, vocab_size: int, step_
         raise GenerateError(f"checkpoint {step_dir} holds flavor {name!r}, which this version does not define")
     args = copy.deepcopy(hymo_flavors[name])
     shape = identity.get("shape")
+    given = mup_base_width if mup_base_width is not None and mup_base_width >= 0 else None
+    if shape:
+        trained_mup = int(identity.get("mup_base_width", 0))  # not recorded: written with muP off
+        if given is not None and given != trained_mup:
+            raise GenerateError(f"checkpoint {step_dir} was trained with mup_base_width {trained_mup}, not {given} "
+                                f"([hymo] mup_base_width of --config): drop the setting or set it to {trained_mup}")
     try:
         if shape:
             known = {f.name for f in dataclasses.fields(HymoModelArgs)}
             fields = {k: tuple(v) if isinstance(v, list) else v for k, v in shape.items() if k in known}
-            args = dataclasses.replace(args, **fields)
+            args = dataclasses.replace(args, **fields, mup_base_width=trained_mup)
         else:
-            args = dataclasses.replace(args, vocab_size=vocab_size)
+            args = dataclasses.replace(args, vocab_size=vocab_size,
+                                       **({} if given is None else {"mup_base_width": given}))
     except ValueError as e:
         raise GenerateError(f"checkpoint {step_dir}: its model args are invalid ({e})") from None
     return name, args
@@ -175,7 +188,8 @@ def with_backend(args: HymoModelArgs, device: torch.device) -> HymoModelArgs:
     """The GDN backend this device runs: the flavor's on CUDA, the chunked PyTorch reference on CPU."""
     if device.type == "cuda" or args.gdn_backend != "triton":
         return args
-    return dataclasses.replace(args, gdn_backend="torch_chunk", gdn_dot_precision="table", gdn_bwd_path="table")
+    return dataclasses.replace(args, gdn_backend="torch_chunk", gdn_dot_precision="table", gdn_bwd_path="table",
+                               gdn_mixer_saves="inputs")
 
 
 def load_model(step_dir: str, name: str, args: HymoModelArgs, device: torch.device, dtype: torch.dtype) -> HymoModel:
@@ -215,7 +229,8 @@ def load_model(step_dir: str, name: str, args: HymoModelArgs, device: torch.devi
 
 
 def describe(name: str, args: HymoModelArgs) -> str:
-    return f"flavor {name!r} (vocab {args.vocab_size})"
+    return f"flavor {name!r} (vocab {args.vocab_size}" + (f", muP base width {args.mup_base_width})"
+                                                          if args.mup_base_width else ")")
 
 
 # -- the tokenizer ---------------------------------------------------------------------------------
@@ -324,7 +339,7 @@ def run(opts) -> None:
 
     tokenizer = load_tokenizer(tokenizer_path(opts, config, manifest), manifest, step_dir)
     vocab = (config or {}).get("hymo", {}).get("vocab_size") or tokenizer.get_vocab_size()
-    name, args = model_args(manifest, flavor, vocab, step_dir)
+    name, args = model_args(manifest, flavor, vocab, step_dir, (config or {}).get("hymo", {}).get("mup_base_width"))
     args = with_backend(args, device)
     dtype = getattr(torch, opts.dtype)
     torch.manual_seed(opts.seed)

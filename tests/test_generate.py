@@ -4,6 +4,7 @@ exactly, and bad input ends in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,6 +88,67 @@ def test_the_two_process_checkpoint_loads_whole_in_one_process(trained, tmp_path
     for key, value in state.items():
         assert torch.equal(value, whole[key]), key
     assert any(k.endswith("moe.expert_bias") for k in state)
+
+
+def _mup_checkpoint(tmp_path: Path):
+    """A step folder of a debug model trained with muP (base width 128, half its dim), saved in
+    this process with the manifest identity a run with ``--hymo.mup_base_width 128`` records;
+    and that model."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets)
+    from hymo_recipes.generate import with_backend
+    from hymo_recipes.model import HymoModel, hymo_flavors
+    from hymo_recipes.titan import checkpoints
+    from hymo_recipes.titan.train import parse_config
+
+    config = parse_config(["--job.config_file", str(REPO / CONFIG), "--job.dump_folder", str(tmp_path / "run"),
+                           "--hymo.mup_base_width", "128"])
+    identity = checkpoints.run_identity(config)
+    args = with_backend(dataclasses.replace(hymo_flavors["debugmodel"], vocab_size=8192, mup_base_width=128),
+                        torch.device("cpu"))
+    torch.manual_seed(0)
+    model = HymoModel(args)
+    model.init_weights()
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(model.state_dict(), checkpoint_id=str(step))
+    (step / checkpoints.MANIFEST).write_text(json.dumps({"format": checkpoints.FORMAT, "step": 1, "identity": identity,
+                                                         "files": {}}))
+    return step, model.eval()
+
+
+def test_a_mup_checkpoint_is_rebuilt_with_its_base_width(tmp_path, capsys):
+    """muP changes no shape, so a model rebuilt without the checkpoint's base width would load
+    and sample from other logits (the readout multiplier base/dim, MLA's softmax scale 1/d)."""
+    from hymo_recipes.generate import load_model, main, model_args, read_manifest
+
+    step, trained = _mup_checkpoint(tmp_path)
+    name, args = model_args(read_manifest(str(step)), None, 0, str(step))
+    assert args.mup_base_width == 128 and args.mup_width_mult == 2.0
+    loaded = load_model(str(step), name, args, torch.device("cpu"), torch.float32)
+    assert loaded.logit_multiplier == 0.5
+    tokens = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = loaded(tokens), trained(tokens)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0)
+    for a, b in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert main(["--checkpoint", str(step), "--prompt", "The jury said", "--greedy", "--max-new-tokens", "3"]) == 0
+    assert "muP base width 128" in capsys.readouterr().err
+    # a config that says otherwise is refused in one line
+    config = tmp_path / "off.toml"
+    config.write_text((REPO / CONFIG).read_text() + "\n[hymo]\nmup_base_width = 0\n")
+    assert main(["--checkpoint", str(step), "--config", str(config), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"generate: error: checkpoint {step} was trained with mup_base_width 128, "
+                                        "not 0 ([hymo] mup_base_width of --config): drop the setting or set it to 128"]
+    # a manifest that does not record the base width was written with muP off
+    manifest = json.loads((step / "hymo_manifest.json").read_text())
+    del manifest["identity"]["mup_base_width"]
+    assert model_args(manifest, None, 0, str(step))[1].mup_base_width == 0
 
 
 @pytest.mark.parametrize("case", ["flavor", "shape", "empty_prompt", "dump_without_steps"])

@@ -2,13 +2,19 @@
 
 Every step folder TorchTitan's checkpointer writes (``<dump_folder>/checkpoint/step-N``) gets,
 once every rank's DCP save of it has finished, ``hymo_manifest.json``: the tokenizer's identity
-(a SHA-256 of its files in ``model.hf_assets_path`` and its vocabulary size), the flavor and the
-model args that set parameter shapes, and the size and CRC-32 of every file of the folder (each
-rank checksums the shards it wrote, right after writing them). A save runs:
+(a SHA-256 of its files in ``model.hf_assets_path`` and its vocabulary size), the flavor, the
+model args that set parameter shapes, muP's effective base width (``mup_base_width``, 0 = muP off;
+a manifest without it was written with muP off), and the size and CRC-32 of every file of the
+folder (each rank checksums the shards it wrote, right after writing them). A save runs:
 
-1. rank 0 removes the folders of unfinished saves (a marker, no manifest: a resume skips them,
-   and TorchTitan's ``keep_latest_k`` would count them), replaces a leftover folder of that step
-   (an unfinished or skipped save) and writes the marker ``.hymo_saving`` into the new one;
+1. rank 0 clears the folders of unfinished saves (a marker, no manifest: a resume skips them,
+   and TorchTitan's ``keep_latest_k`` would count them): one whose DCP data is complete
+   (``.metadata`` and every shard it names; only the manifest is missing) is moved, untouched,
+   to ``unfinished/step-N.unfinished-<time>`` in the checkpoint folder, a name that neither the
+   resume nor ``keep_latest_k`` (which match ``step-N`` in the folder's own entries) sees; one
+   with incomplete data is removed. Then it replaces a leftover folder of that step (a skipped
+   save; an unfinished one is moved or removed as above) and writes the marker ``.hymo_saving``
+   into the new one;
 2. TorchTitan's save (DCP: shards, then ``.metadata``);
 3. the checksums, gathered on rank 0, which writes the manifest last (a temporary file and a
    rename) and removes the marker.
@@ -18,9 +24,9 @@ the newest step with a manifest; a folder with a marker (a save that did not fin
 holds) or, in a folder of manifest-carrying steps, without a manifest is skipped with a warning.
 A folder where no step has a manifest or a marker was written before HyMo wrote manifests: its
 newest step with ``.metadata`` is resumed, with a warning that nothing could be checked.
-``check_manifest`` compares the manifest with this run (tokenizer, flavor, shape) and every file
-with its size and checksum. Async checkpointing is refused (preflight): its completion is not
-seen here.
+``check_manifest`` compares the manifest with this run (tokenizer, flavor, shape, muP) and every
+file with its size and checksum. Async checkpointing is refused (preflight): its completion is
+not seen here.
 
 ``SaveGuard`` installs steps 1-3 on a Trainer, makes TorchTitan load the step ``plan_resume``
 chose, reports a full disk during a save as such (the previous checkpoint stays the one a
@@ -86,8 +92,9 @@ def tokenizer_identity(path: str) -> dict:
 
 
 def run_identity(config) -> dict | None:
-    """What a checkpoint of this run must match to be resumed: tokenizer, flavor, shape (HyMo
-    models only; ``[hymo] vocab_size`` already set by the preflight)."""
+    """What a checkpoint of this run must match to be resumed: tokenizer, flavor, shape and muP's
+    base width (it changes init, lrs, MLA's softmax scale and the logits, not a shape; HyMo models
+    only; ``[hymo] vocab_size`` already set by the preflight)."""
     if config.model.name != "hymo":
         return None
     from hymo_recipes.model import hymo_flavors
@@ -95,7 +102,18 @@ def run_identity(config) -> dict | None:
     args = copy.deepcopy(hymo_flavors[config.model.flavor])
     args.update_from_config(config)
     shape = {name: (list(v) if isinstance(v := getattr(args, name), tuple) else v) for name in SHAPE_FIELDS}
-    return {"tokenizer": tokenizer_identity(config.model.hf_assets_path), "flavor": config.model.flavor, "shape": shape}
+    return {"tokenizer": tokenizer_identity(config.model.hf_assets_path), "flavor": config.model.flavor, "shape": shape,
+            "mup_base_width": args.mup_base_width}
+
+
+def manifest_mup_base_width(identity: dict) -> int:
+    """The muP base width a manifest's identity records; 0 (muP off) for a manifest written
+    before it was recorded."""
+    return int(identity.get("mup_base_width", 0))
+
+
+def describe_mup(base_width: int) -> str:
+    return f"mup_base_width {base_width}" + (" (muP off)" if base_width == 0 else "")
 
 
 def file_crc32(path: str) -> str:
@@ -170,6 +188,50 @@ def unfinished_saves(folder: str) -> list[str]:
                   and not _has(os.path.join(folder, n), MANIFEST))
 
 
+UNFINISHED = "unfinished"  # the checkpoint folder's subfolder for unfinished saves with complete data
+
+
+def dcp_data_complete(path: str) -> bool:
+    """True if `path` holds DCP's ``.metadata`` (written once every rank's shards are) and every
+    byte range it names lies inside its shard file."""
+    from hymo_recipes.titan.preflight import check_dcp_checkpoint
+
+    if not _has(path, ".metadata"):
+        return False
+    try:
+        check_dcp_checkpoint(path)
+    except ValueError:
+        return False
+    return True
+
+
+def set_aside(path: str) -> str:
+    """Moves the step folder `path` to ``unfinished/<name>.unfinished-<time>`` beside it (a
+    rename: no copy, no space needed) and returns the new path."""
+    parent = os.path.join(os.path.dirname(path), UNFINISHED)
+    os.makedirs(parent, exist_ok=True)
+    base = os.path.join(parent, f"{os.path.basename(path)}.unfinished-{time.strftime('%Y%m%d-%H%M%S')}")
+    dest, n = base, 1
+    while os.path.exists(dest):
+        dest, n = f"{base}-{n}", n + 1
+    os.rename(path, dest)
+    return dest
+
+
+def clear_unfinished(path: str) -> None:
+    """Clears the unfinished save in `path` (marker, no manifest): moved aside if its DCP data is
+    complete (only its manifest is missing), else removed; one warning line says which and where."""
+    step = os.path.basename(path).removeprefix("step-")
+    if dcp_data_complete(path):
+        dest = set_aside(path)
+        logger.warning(f"moved {path} to {dest}: a save that did not finish (no {MANIFEST}) but whose DCP data is "
+                       f"complete; resume and keep_latest_k do not see it there (to load it, move it back to "
+                       f"{os.path.basename(path)} and pass --checkpoint.load_step {step}: unchecked)")
+    else:
+        logger.warning(f"removing {path}: a save that did not finish (no {MANIFEST}; its DCP data is incomplete)")
+        shutil.rmtree(path)
+
+
 def resume_hint(earlier: list[int]) -> str:
     return (f"resume from an earlier step with --checkpoint.load_step {earlier[-1]} (whole: "
             f"{', '.join(map(str, earlier))}), or move the folder away" if earlier
@@ -194,7 +256,7 @@ def whole_earlier(plan: ResumePlan) -> list[int]:
 
 def check_manifest(path: str, config, earlier: list[int], checksums: bool = True) -> None:
     """Raises ValueError with one line if the checkpoint in `path` was written for another
-    tokenizer, flavor or shape, or if a file it lists is missing, of another size or (with
+    tokenizer, flavor, shape or muP base width, or if a file it lists is missing, of another size or (with
     `checksums`) of other bytes."""
     hint = resume_hint(earlier)
     try:
@@ -218,6 +280,10 @@ def check_manifest(path: str, config, earlier: list[int], checksums: bool = True
             raise ValueError(f"checkpoint {path} holds a {theirs['flavor']} model of another shape than this run's "
                              f"({', '.join(diffs)}; checkpoint vs run): resume with the settings it was trained with "
                              "([hymo] vocab_size included) or start a new dump folder")
+        if (t_mup := manifest_mup_base_width(theirs)) != (o_mup := ours["mup_base_width"]):
+            raise ValueError(f"checkpoint {path} was trained with {describe_mup(t_mup)}, this run has "
+                             f"{describe_mup(o_mup)}: resume with --hymo.mup_base_width {t_mup} ([hymo] "
+                             "mup_base_width in the TOML) or start a new dump folder")
     for name, record in sorted(files.items()):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -353,14 +419,11 @@ class SaveGuard:
         if rank == 0:
             try:
                 for other in unfinished_saves(ck.folder):
-                    if other != path:
-                        # unusable (a resume skips it), and TorchTitan's keep_latest_k would count it
-                        # among the checkpoints it keeps, deleting a whole one instead
-                        logger.warning(f"removing {other}: a save that did not finish (no {MANIFEST})")
-                        shutil.rmtree(other)
+                    # skipped by a resume, and TorchTitan's keep_latest_k would count it among the
+                    # checkpoints it keeps, deleting a whole one instead
+                    clear_unfinished(other)
                 if os.path.isdir(path):
-                    logger.warning(f"replacing {path}, left by an earlier run (a save that did not finish, or skipped "
-                                   "at resume)")
+                    logger.warning(f"replacing {path}, left by an earlier run (a step the resume did not load)")
                     shutil.rmtree(path)
                 os.makedirs(path)
                 with open(os.path.join(path, SAVING), "w") as f:
@@ -399,6 +462,8 @@ class SaveGuard:
         mine = {}
         for name in sorted(os.listdir(path)):
             if name in (SAVING, MANIFEST) or name.endswith(".tmp"):
+                continue
+            if not os.path.isfile(os.path.join(path, name)):  # DCP's HF writer leaves its per-rank shards in sharded/
                 continue
             m = re.match(r"__(\d+)_", name)
             owner = int(m.group(1)) if m and int(m.group(1)) < world else 0

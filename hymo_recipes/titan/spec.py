@@ -27,6 +27,7 @@ from hymo_recipes.titan.loss import build_mtp_loss
 from hymo_recipes.titan.metrics import HymoMetricsProcessor, StepStats
 from hymo_recipes.titan.optimizers import build_hymo_lr_schedulers, build_hymo_optimizers
 from hymo_recipes.titan.parallelize import parallelize_hymo
+from hymo_recipes.titan.state_dict_adapter import HymoStateDictAdapter
 from hymo_recipes.titan.step_hooks import register_step_hooks
 from hymo_recipes.titan.validate import build_hymo_validator
 
@@ -76,6 +77,7 @@ class HymoBuilders:
             build_loss_fn=self.build_loss,
             build_validator_fn=build_hymo_validator,
             build_metrics_processor_fn=self.build_metrics_processor,
+            state_dict_adapter=HymoStateDictAdapter,
         )
 
 

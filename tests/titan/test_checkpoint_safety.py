@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -133,6 +134,33 @@ def test_another_flavor_or_shape_stops_the_resume(run_dir):
     with pytest.raises(SystemExit, match=r"step-4 holds a debugmodel model of another shape than this run's "
                                          r"\(vocab_size 8192 vs 9000; checkpoint vs run\)"):
         _config(dump, "--hymo.vocab_size", "9000")
+
+
+def test_another_mup_base_width_stops_the_resume(run_dir, tmp_path):
+    """muP changes no shape, only init, lrs, MLA's softmax scale and the logits: the manifest
+    records the base width, and a manifest without it was written with muP off."""
+    dump, folder = run_dir
+    assert json.loads((folder / "step-4" / checkpoints.MANIFEST).read_text())["identity"]["mup_base_width"] == 0
+    with pytest.raises(SystemExit, match=r"step-4 was trained with mup_base_width 0 \(muP off\), this run has "
+                                         r"mup_base_width 128: resume with --hymo.mup_base_width 0 \(\[hymo\] "
+                                         r"mup_base_width in the TOML\) or start a new dump folder"):
+        _config(dump, "--hymo.mup_base_width", "128")
+    mup = tmp_path / "mup"
+    _train(mup, 2, "--hymo.mup_base_width", "128")
+    manifest = mup / "checkpoint" / "step-2" / checkpoints.MANIFEST
+    assert json.loads(manifest.read_text())["identity"]["mup_base_width"] == 128
+    with pytest.raises(SystemExit, match=r"step-2 was trained with mup_base_width 128, this run has "
+                                         r"mup_base_width 0 \(muP off\): resume with --hymo.mup_base_width 128 "):
+        _config(mup)
+    _config(mup, "--hymo.mup_base_width", "128")  # the same base width resumes
+    # a manifest written before the base width was recorded: muP off
+    record = json.loads(manifest.read_text())
+    del record["identity"]["mup_base_width"]
+    manifest.write_text(json.dumps(record))
+    _config(mup)
+    with pytest.raises(SystemExit, match=r"step-2 was trained with mup_base_width 0 \(muP off\), this run has "
+                                         r"mup_base_width 128"):
+        _config(mup, "--hymo.mup_base_width", "128")
 
 
 def test_a_shard_overwritten_at_the_same_length_names_itself_and_the_step_before(run_dir):
@@ -373,18 +401,45 @@ def test_a_full_disk_in_a_real_run_keeps_the_previous_checkpoint(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_unfinished_saves_are_removed_by_the_next_save(run_dir, caplog):
-    """A folder with the marker and no manifest is unusable; left in place it would count among
-    checkpoint.keep_latest_k, and TorchTitan would delete a whole checkpoint instead of it."""
+def test_unfinished_saves_are_moved_aside_or_removed_by_the_next_save(run_dir, caplog):
+    """A folder with the marker and no manifest is skipped by a resume; left in place it would
+    count among checkpoint.keep_latest_k, and TorchTitan would delete a whole checkpoint instead
+    of it. One whose DCP data is complete (only the manifest is missing) is moved, untouched, out
+    of what resume and keep_latest_k see; one with incomplete data is removed."""
     dump, folder = run_dir
-    for step in (3, 9):
+    for step in (3, 6, 9):
         shutil.copytree(folder / "step-4", folder / f"step-{step}")
         (folder / f"step-{step}" / checkpoints.MANIFEST).unlink()
         (folder / f"step-{step}" / checkpoints.SAVING).write_text("{}")
+    (folder / "step-3" / ".metadata").unlink()  # killed inside DCP's save: shards, no .metadata
+    with open(folder / "step-6" / "__0_0.distcp", "r+b") as f:  # a shard shorter than .metadata says
+        f.truncate(100)
     (folder / "step-7").mkdir()  # no marker: not HyMo's to judge, left alone
-    assert checkpoints.unfinished_saves(str(folder)) == [str(folder / "step-3"), str(folder / "step-9")]
+    shard = (folder / "step-9" / "__0_0.distcp").read_bytes()
+    assert checkpoints.unfinished_saves(str(folder)) == [str(folder / f"step-{s}") for s in (3, 6, 9)]
     with caplog.at_level("WARNING"):
         _train(dump, 2)  # saves step 2 again
-    assert not (folder / "step-3").exists() and not (folder / "step-9").exists() and (folder / "step-7").is_dir()
+    assert not (folder / "step-3").exists() and not (folder / "step-6").exists()
+    assert not (folder / "step-9").exists() and (folder / "step-7").is_dir()
+    [kept] = list((folder / checkpoints.UNFINISHED).iterdir())
+    assert kept.name.startswith("step-9.unfinished-")
+    assert sorted(p.name for p in kept.iterdir()) == [checkpoints.SAVING, ".metadata", "__0_0.distcp"]
+    assert (kept / "__0_0.distcp").read_bytes() == shard  # untouched
     assert (folder / "step-4" / checkpoints.MANIFEST).is_file() and (folder / "step-2" / checkpoints.MANIFEST).is_file()
-    assert "removing" in caplog.text and "step-9: a save that did not finish" in caplog.text
+    moved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("moved ")]
+    assert moved == [f"moved {folder / 'step-9'} to {kept}: a save that did not finish (no hymo_manifest.json) but "
+                     "whose DCP data is complete; resume and keep_latest_k do not see it there (to load it, move it "
+                     "back to step-9 and pass --checkpoint.load_step 9: unchecked)"]
+    for step in (3, 6):
+        assert f"removing {folder / f'step-{step}'}: a save that did not finish (no hymo_manifest.json; its DCP " \
+               "data is incomplete)" in caplog.text
+    # neither the resume nor TorchTitan's step discovery (the pattern keep_latest_k uses too) sees it
+    assert checkpoints.plan_resume(str(folder)).target == 4
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    assert CheckpointManager._find_load_step(FakeCheckpointer(folder)) == 4
+    assert not re.search(r"step-(\d+)", checkpoints.UNFINISHED)  # what keep_latest_k matches in the folder's entries
+    # the next unfinished save of the same step goes beside it, the first one kept
+    shutil.copytree(kept, folder / "step-9")
+    _train(dump, 2)
+    assert len(list((folder / checkpoints.UNFINISHED).iterdir())) == 2

@@ -62,13 +62,16 @@ def test_each_trainer_built_through_the_entry_point_gets_a_spec_of_its_own():
     assert seen[0].build_loss_fn.__self__ is not seen[1].build_loss_fn.__self__
 
 
-def test_preflight_takes_the_vocabulary_from_the_tokenizer_and_refuses_a_smaller_one():
-    assert parse_config(DEBUG).hymo.vocab_size == 8192  # the Brown BPE of ./scripts/setup.sh
-    assert parse_config(DEBUG + ["--hymo.vocab_size", "8256"]).hymo.vocab_size == 8256
+def test_preflight_takes_the_vocabulary_from_the_tokenizer_and_refuses_a_smaller_one(tmp_path):
+    # a fresh dump folder: the README's default run leaves checkpoints of another vocabulary in
+    # the config's, which the preflight would compare first
+    debug = DEBUG + ["--job.dump_folder", str(tmp_path)]
+    assert parse_config(debug).hymo.vocab_size == 8192  # the Brown BPE of ./scripts/setup.sh
+    assert parse_config(debug + ["--hymo.vocab_size", "8256"]).hymo.vocab_size == 8256
     with pytest.raises(SystemExit, match="vocab_size = 100 is smaller than the tokenizer's vocabulary"):
-        parse_config(DEBUG + ["--hymo.vocab_size", "100"])
+        parse_config(debug + ["--hymo.vocab_size", "100"])
     with pytest.raises(SystemExit, match="no tokenizer.json in '/nonexistent'"):
-        parse_config(DEBUG + ["--model.hf_assets_path", "/nonexistent"])
+        parse_config(debug + ["--model.hf_assets_path", "/nonexistent"])
 
 
 def test_the_summary_names_flavor_shape_parameters_and_the_optimizer_partition():
