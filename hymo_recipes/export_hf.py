@@ -179,9 +179,14 @@ def read_safetensors(folder: str) -> dict[str, torch.Tensor]:
         if not os.path.isfile(path):
             raise ExportError(f"{index} names {name}, which is not in {folder}")
         try:
-            tensors.update(load_file(path))
+            part = load_file(path)
         except (SafetensorError, OSError) as e:
             raise ExportError(f"{path} is not a readable safetensors file ({e})") from None
+        twice = sorted(set(part) & set(tensors))
+        if twice:
+            raise ExportError(f"{twice[0]} is in {path} and in another file of {folder}: which one holds the weights "
+                              "is ambiguous")
+        tensors.update(part)
     return tensors
 
 
@@ -247,6 +252,11 @@ def write_export(out: str, state: dict, args: HymoModelArgs, flavor: str, tokeni
     hf = {k: v.detach().to("cpu").contiguous() for k, v in sorted(names.to_hf(state).items())}
     save_file(hf, os.path.join(out, WEIGHTS), metadata={"format": "pt"})
     config = hf_config(args, flavor, tokenizer_identity(tokenizer_dir), tokenizer.bos_id, tokenizer.eos_id)
+    # the parameters' dtype as stored (fp32 from a training checkpoint; a last_save_in_hf save
+    # may have been written in another export_dtype)
+    dtypes = {v.dtype for k, v in hf.items() if v.is_floating_point()}
+    if len(dtypes) == 1:
+        config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -7,6 +7,8 @@ trainer writes it, saved by any number of ranks, or a dump folder / its ``checkp
 (the newest whole step is taken, as a resume would: hymo_recipes/titan/checkpoints.py). It is
 read into one process without a process group (``torch.distributed.checkpoint.load`` reshards
 the FSDP2 shards into whole tensors); only the model's entries are read, not the optimizer's.
+It may also be a folder written by ``python -m hymo_recipes.export_hf``: its config.json names
+the flavor and shape and its safetensors hold the weights (its tokenizer is the default one).
 
 The model is rebuilt from the checkpoint's ``hymo_manifest.json`` (flavor, shape, muP's base
 width, tokenizer) or, for a checkpoint without one, from ``--flavor`` / ``--config`` (its ``[hymo]
@@ -65,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m hymo_recipes.generate", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
-                   help="a DCP step folder (<dump_folder>/checkpoint/step-N), or a dump folder / its checkpoint folder "
-                        "(the newest whole step)")
+                   help="a DCP step folder (<dump_folder>/checkpoint/step-N), a dump folder / its checkpoint folder "
+                        "(the newest whole step), or a Hugging Face export (python -m hymo_recipes.export_hf)")
     p.add_argument("--step", type=int, default=None, help="with a dump or checkpoint folder: load this step")
     p.add_argument("--config", default=None, help="the training TOML (flavor, tokenizer path); needed only for a "
                                                   "checkpoint without hymo_manifest.json, else it must agree")
@@ -228,6 +230,41 @@ def load_model(step_dir: str, name: str, args: HymoModelArgs, device: torch.devi
     return model.eval()
 
 
+def is_hf_export(path: str) -> bool:
+    """Whether `path` is a folder written by ``python -m hymo_recipes.export_hf`` (its config.json
+    says model_type "hymo")."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type") == "hymo"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_hf_export_config(folder: str) -> tuple[str, HymoModelArgs, dict]:
+    """(flavor, model args, the tokenizer identity it records) of an export's config.json."""
+    from hymo_recipes.import_hf import read_export_config  # imports this module: loaded on use
+
+    return read_export_config(folder)
+
+
+def load_hf_export(folder: str, name: str, args: HymoModelArgs, device: torch.device,
+                   dtype: torch.dtype) -> HymoModel:
+    """Builds the model and reads an export's safetensors (HF names mapped back to HyMo's); a
+    missing, unexpected or misshapen tensor is a GenerateError."""
+    from hymo_recipes.export_hf import check_state, hymo_state_from_hf, read_safetensors
+
+    state = hymo_state_from_hf(read_safetensors(folder), folder)
+    check_state(state, args, folder, describe(name, args))
+    with torch.device("meta"):
+        model = HymoModel(args)
+    model = model.to_empty(device=device)
+    model.init_weights(buffer_device=device)  # every saved entry is overwritten below; this sets the RoPE table
+    model.load_state_dict(state, strict=True)
+    for param in model.parameters():  # as load_model: parameters in `dtype`, buffers fp32
+        param.data = param.data.to(dtype)
+    return model.eval()
+
+
 def describe(name: str, args: HymoModelArgs) -> str:
     return f"flavor {name!r} (vocab {args.vocab_size}" + (f", muP base width {args.mup_base_width})"
                                                           if args.mup_base_width else ")")
@@ -330,21 +367,36 @@ def run(opts) -> None:
     check_sampling(opts)
     prompts = read_prompts(opts)
     device = pick_device(opts.device)
-    step_dir = resolve_checkpoint(opts.checkpoint, opts.step)
-    manifest = read_manifest(step_dir)
-    config = read_config(opts.config) if opts.config else None
-    flavor = opts.flavor or (config or {}).get("model", {}).get("flavor")
-    if config and config.get("model", {}).get("name", "hymo") != "hymo":
-        raise GenerateError(f"--config {opts.config} trains model {config['model']['name']!r}, not hymo")
-
-    tokenizer = load_tokenizer(tokenizer_path(opts, config, manifest), manifest, step_dir)
-    vocab = (config or {}).get("hymo", {}).get("vocab_size") or tokenizer.get_vocab_size()
-    name, args = model_args(manifest, flavor, vocab, step_dir, (config or {}).get("hymo", {}).get("mup_base_width"))
-    args = with_backend(args, device)
     dtype = getattr(torch, opts.dtype)
-    torch.manual_seed(opts.seed)
-    t0 = time.perf_counter()
-    model = load_model(step_dir, name, args, device, dtype)
+    if is_hf_export(opts.checkpoint):
+        step_dir = opts.checkpoint
+        for option in ("step", "flavor", "config"):
+            if getattr(opts, option) is not None:
+                raise GenerateError(f"--{option} goes with a DCP checkpoint; {step_dir} is a Hugging Face export "
+                                    "(its config.json names the flavor and shape)")
+        name, args, recorded = read_hf_export_config(step_dir)
+        # the export records the tokenizer it was trained with, as a manifest does
+        tokenizer = load_tokenizer(opts.tokenizer or step_dir, {"identity": {"tokenizer": recorded}}, step_dir)
+        args = with_backend(args, device)
+        torch.manual_seed(opts.seed)
+        t0 = time.perf_counter()
+        model = load_hf_export(step_dir, name, args, device, dtype)
+    else:
+        step_dir = resolve_checkpoint(opts.checkpoint, opts.step)
+        manifest = read_manifest(step_dir)
+        config = read_config(opts.config) if opts.config else None
+        flavor = opts.flavor or (config or {}).get("model", {}).get("flavor")
+        if config and config.get("model", {}).get("name", "hymo") != "hymo":
+            raise GenerateError(f"--config {opts.config} trains model {config['model']['name']!r}, not hymo")
+
+        tokenizer = load_tokenizer(tokenizer_path(opts, config, manifest), manifest, step_dir)
+        vocab = (config or {}).get("hymo", {}).get("vocab_size") or tokenizer.get_vocab_size()
+        name, args = model_args(manifest, flavor, vocab, step_dir,
+                                (config or {}).get("hymo", {}).get("mup_base_width"))
+        args = with_backend(args, device)
+        torch.manual_seed(opts.seed)
+        t0 = time.perf_counter()
+        model = load_model(step_dir, name, args, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"generate: loaded {step_dir} ({describe(name, args)}, {n_params:,} parameters, "
           f"GDN backend {args.gdn_backend}) on {device} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -63,6 +63,23 @@ def test_greedy_generation_makes_text_and_repeats_exactly(trained):
     assert first.stdout == second.stdout
 
 
+def test_a_hugging_face_export_generates_what_its_checkpoint_does(trained, tmp_path):
+    """--checkpoint may name an export_hf folder: the same weights, the same greedy text."""
+    from hymo_recipes.export_hf import main as export_main
+
+    export = tmp_path / "hf"
+    assert export_main([str(trained), str(export)]) == 0
+    args = ["--greedy", "--max-new-tokens", "12", "--ignore-eos", "--prompt", PROMPTS[0]]
+    from_dcp, from_hf = generate("--checkpoint", str(trained), *args), generate("--checkpoint", str(export), *args)
+    assert from_dcp.returncode == 0 and from_hf.returncode == 0, from_hf.stderr[-4000:]
+    assert from_hf.stdout == from_dcp.stdout and len(from_hf.stdout) > len(PROMPTS[0])
+    assert f"loaded {export}" in from_hf.stderr
+    refused = generate("--checkpoint", str(export), "--step", "2", *args)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip() == (f"generate: error: --step goes with a DCP checkpoint; {export} is a Hugging "
+                                      "Face export (its config.json names the flavor and shape)")
+
+
 def test_a_bad_path_fails_in_one_line(tmp_path):
     run = generate("--checkpoint", str(tmp_path / "nothing_here"), "--prompt", "The jury said")
     assert run.returncode == 2

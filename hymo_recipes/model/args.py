@@ -49,7 +49,9 @@ class HymoModelArgs:
     gdn_fused_mixer: bool = True
     # what the fused mixer keeps for its backward: "inputs" (the projections; the conv outputs and
     # the gated norm's output are recomputed: the least memory) or "outputs" (those kept too:
-    # three [B, T, H·K]-sized tensors and one like the output more per layer, no recompute)
+    # three [B, T, H·K]-sized tensors and one like the output more per layer, no recompute). It
+    # changes no result, only memory and time, so the PyTorch paths (another backend, or
+    # gdn_fused_mixer False), which keep what autograd keeps, take either value.
     gdn_mixer_saves: str = "inputs"
     gdn_A_init_range: tuple[float, float] = (0.0, 16.0)  # A ~ U(lo, hi), A_log = log A
     gdn_dt_min: float = 1e-3  # dt ~ logU(dt_min, dt_max), dt_bias = softplus⁻¹(dt)
@@ -134,10 +136,6 @@ class HymoModelArgs:
             raise ValueError(f"unknown gdn_bwd_path {self.gdn_bwd_path!r}; choose one of {list(GDN_BWD_PATHS)}")
         if self.gdn_mixer_saves not in GDN_MIXER_SAVES:
             raise ValueError(f"unknown gdn_mixer_saves {self.gdn_mixer_saves!r}; choose one of {list(GDN_MIXER_SAVES)}")
-        if self.gdn_mixer_saves != "inputs" and not (self.gdn_backend == "triton" and self.gdn_fused_mixer):
-            raise ValueError(f"gdn_mixer_saves = {self.gdn_mixer_saves!r} sets what the fused Triton mixer keeps; "
-                             f"gdn_backend is {self.gdn_backend!r}, gdn_fused_mixer {self.gdn_fused_mixer} (use "
-                             "\"inputs\", or gdn_backend = \"triton\" with the fused mixer)")
         if self.gdn_bwd_path != "table" and self.gdn_backend != "triton":
             raise ValueError(f"gdn_bwd_path = {self.gdn_bwd_path!r} picks the Triton kernel's backward; "
                              f"gdn_backend is {self.gdn_backend!r} (use \"table\", or gdn_backend = \"triton\")")

@@ -179,7 +179,8 @@ class HymoModel(nn.Module):
         if mult == 1.0:
             logits = F.linear(self.norm(h), head)
             mtp_logits = [F.linear(mtp(h), head) for mtp in self.mtp_heads.values()]
-        else:  # muP's readout multiplier on the tied head (on its input: the same logits, cheaper)
+        else:  # muP's readout multiplier on the tied head, applied to its input (the same logits up to
+            # rounding, for dim multiplications per token instead of vocab_size)
             logits = F.linear(self.norm(h) * mult, head)
             mtp_logits = [F.linear(mtp(h) * mult, head) for mtp in self.mtp_heads.values()]
         return logits, mtp_logits

@@ -11,7 +11,8 @@ folder (each rank checksums the shards it wrote, right after writing them). A sa
    and TorchTitan's ``keep_latest_k`` would count them): one whose DCP data is complete
    (``.metadata`` and every shard it names; only the manifest is missing) is moved, untouched,
    to ``unfinished/step-N.unfinished-<time>`` in the checkpoint folder, a name that neither the
-   resume nor ``keep_latest_k`` (which match ``step-N`` in the folder's own entries) sees; one
+   resume nor ``keep_latest_k`` (which match ``step-N`` in the folder's own entries) sees (the
+   newest UNFINISHED_KEEP stay there); one
    with incomplete data is removed. Then it replaces a leftover folder of that step (a skipped
    save; an unfinished one is moved or removed as above) and writes the marker ``.hymo_saving``
    into the new one;
@@ -189,6 +190,7 @@ def unfinished_saves(folder: str) -> list[str]:
 
 
 UNFINISHED = "unfinished"  # the checkpoint folder's subfolder for unfinished saves with complete data
+UNFINISHED_KEEP = 2  # the newest that many stay there; each is a whole step's data
 
 
 def dcp_data_complete(path: str) -> bool:
@@ -215,7 +217,24 @@ def set_aside(path: str) -> str:
     while os.path.exists(dest):
         dest, n = f"{base}-{n}", n + 1
     os.rename(path, dest)
+    _prune_set_aside(parent)
     return dest
+
+
+def _set_aside_order(name: str) -> tuple[str, int]:
+    """(time, same-second counter) of a set-aside folder's name, to order by when it was moved."""
+    m = re.search(r"\.unfinished-(\d{8}-\d{6})(?:-(\d+))?$", name)
+    return (m.group(1), int(m.group(2) or 0)) if m else ("", 0)
+
+
+def _prune_set_aside(parent: str) -> None:
+    """Keeps the newest UNFINISHED_KEEP set-aside saves: each holds a whole step's data, and a run
+    preempted during its saves again and again would otherwise fill the disk with them."""
+    names = sorted(os.listdir(parent), key=_set_aside_order)
+    for name in names[:-UNFINISHED_KEEP]:
+        logger.warning(f"removing {os.path.join(parent, name)}: only the newest {UNFINISHED_KEEP} unfinished saves "
+                       "are kept")
+        shutil.rmtree(os.path.join(parent, name))
 
 
 def clear_unfinished(path: str) -> None:

@@ -165,9 +165,13 @@ class ReadAhead:
             self.close()
 
     def close(self) -> None:
+        """Stops the thread and waits for it (at most the chunk it is encoding), so that no
+        reader outlives its iterator."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class HymoTextDataset(HuggingFaceTextDataset):

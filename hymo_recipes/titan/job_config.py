@@ -48,9 +48,10 @@ class Hymo:
     gdn_mixer_saves: str = "flavor"
     """What the fused GDN mixer keeps for its backward: "inputs" (the q/k/v/gate projections; the
     conv outputs and the gated norm's output are recomputed in the backward: the least memory),
-    "outputs" (those kept too: about 10 KiB more per token and GDN layer at the 750m's widths in
-    bf16, and no recompute), or "flavor" to keep the flavor's. Speed and memory of each:
-    BENCHMARKS.md. "outputs" needs gdn_backend "triton" (whose fused mixer it sets)."""
+    "outputs" (those kept too: 10 KiB more per token and GDN layer at the 750m's widths in bf16,
+    7.5 GiB more per 8 x 4096-token microbatch; each mixer's backward 5 % faster), or "flavor" to
+    keep the flavor's. Measured: BENCHMARKS.md. It changes no result, and the PyTorch paths
+    (gdn_backend other than "triton") take either value: they keep what autograd keeps."""
     mup_base_width: int = -1
     """muP (hymo_recipes/mup.py): the base width at which init and lrs were tuned; the model's
     dim is the target. 0 turns muP off, -1 keeps the flavor's (off in every shipped flavor).

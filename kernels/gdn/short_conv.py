@@ -9,8 +9,8 @@ The backward recomputes the pre-activation from x rather than saving it: the con
 tensors are x and w, the inputs it already holds. It is one kernel: each program recomputes z
 and dz = dy ⊙ silu'(z) once per row of its tile, and gathers dx[t] from the W rows of dz at t..t+W-1
 inside the same register tile; tiles overlap by the W - 1 rows that two programs both need, so
-dz never makes a round trip through memory (writing it out and reading it back in a second
-kernel costs twice the bytes of x). dw is summed per program in fp32 (a [programs, W, C] slab,
+dz never makes a round trip through memory (writing it out in fp32 and reading it back in a
+second kernel moves four times the bytes of a bf16 x). dw is summed per program in fp32 (a [programs, W, C] slab,
 then one sum), so the result does not depend on scheduling.
 """
 

@@ -158,13 +158,20 @@ def test_gpu_fused_mixer_bf16(B, T, lengths, bwd_path):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_mixer_compiles_fullgraph():
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
+def test_gpu_fused_mixer_compiles_fullgraph(keep):
     a = {n: t.detach() for n, t in mixer_inputs(2, 512, 4, 32, 32, 128, dtype=torch.bfloat16).items()}
     a["g"] = a["g"].float()
     eager_in = {n: t.clone().requires_grad_() for n, t in a.items()}
     comp_in = {n: t.clone().requires_grad_() for n, t in a.items()}
-    eager = mixer_fused(eager_in, 4, 32, 32)
-    compiled = torch.compile(lambda x: mixer_fused(x, 4, 32, 32), fullgraph=True)(comp_in)
+
+    def mixer(x):
+        o = conv_gated_delta_rule(x["q_in"], x["k_in"], x["v_in"], x["wq"], x["wk"], x["wv"], x["g"], x["beta"],
+                                  head_k=32, head_v=32, keep=keep)
+        return gated_norm_linear(o, x["gate"], x["nw"], x["ow"], 1e-6, keep=keep)
+
+    eager = mixer(eager_in)
+    compiled = torch.compile(mixer, fullgraph=True)(comp_in)
     dout = torch.randn_like(eager)
     eager.backward(dout)
     compiled.backward(dout)

@@ -32,8 +32,6 @@ BAD = [
     (dict(gdn_backend="triton", gdn_bwd_path="fast"), "unknown gdn_bwd_path 'fast'"),
     (dict(gdn_backend="torch_chunk", gdn_bwd_path="local"), "picks the Triton kernel's backward; gdn_backend is"),
     (dict(gdn_backend="triton", gdn_mixer_saves="all"), "unknown gdn_mixer_saves 'all'"),
-    (dict(gdn_backend="torch_chunk", gdn_mixer_saves="outputs"), "sets what the fused Triton mixer keeps"),
-    (dict(gdn_backend="triton", gdn_fused_mixer=False, gdn_mixer_saves="outputs"), "gdn_fused_mixer False"),
     (dict(gdn_A_init_range=(16.0, 1.0)), "gdn_A_init_range"),
     (dict(gdn_dt_min=0.2, gdn_dt_max=0.1), "gdn_dt_min <= gdn_dt_max"),
     (dict(n_layers=4, mla_layers=(4,)), r"mla_layers \(4,\) must lie in \[0, n_layers = 4\)"),
@@ -143,7 +141,6 @@ def test_update_from_config_applies_the_hymo_gdn_backend_knob():
 @pytest.mark.parametrize("knob, value, refusal", [
     ("gdn_dot_precision", "bf16", "sets the Triton kernel's dots"),
     ("gdn_bwd_path", "local", "picks the Triton kernel's backward"),
-    ("gdn_mixer_saves", "outputs", "sets what the fused Triton mixer keeps"),
 ])
 def test_update_from_config_applies_the_hymo_kernel_knobs(knob, value, refusal):
     args = dataclasses.replace(hymo_flavors["750m"])

@@ -100,6 +100,20 @@ def test_gdn_kernel_knobs_reach_the_kernel_call(tiny_args, monkeypatch, knob, va
     assert seen == [dict(cu_seqlens=None, **kwargs, **({"keep": False} if fused else {}))]
 
 
+def test_gdn_mixer_saves_leaves_the_pytorch_path_alone(tiny_args):
+    """On the PyTorch path the knob changes nothing: the same output and gradients either way."""
+    results = []
+    for saves in ("inputs", "outputs"):
+        torch.manual_seed(0)
+        layer = GatedDeltaNet(tiny_args(gdn_backend="torch_chunk", gdn_mixer_saves=saves))
+        layer.init_weights(0.02, 0.01)
+        x = torch.randn(2, 9, 64, requires_grad=True)
+        layer(x).sum().backward()
+        results.append((x.grad, [p.grad for p in layer.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
 @pytest.mark.parametrize("saves, keep", [("inputs", False), ("outputs", True)])
 def test_gdn_mixer_saves_reaches_the_fused_ops(tiny_args, monkeypatch, saves, keep):
     """gdn_mixer_saves becomes the ``keep`` argument of both fused ops."""

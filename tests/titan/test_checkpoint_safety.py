@@ -443,3 +443,11 @@ def test_unfinished_saves_are_moved_aside_or_removed_by_the_next_save(run_dir, c
     shutil.copytree(kept, folder / "step-9")
     _train(dump, 2)
     assert len(list((folder / checkpoints.UNFINISHED).iterdir())) == 2
+    # a third: only the newest UNFINISHED_KEEP (2) stay, the first moved is removed
+    shutil.copytree(kept, folder / "step-9")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _train(dump, 2)
+    left = sorted(p.name for p in (folder / checkpoints.UNFINISHED).iterdir())
+    assert len(left) == 2 and kept.name not in left
+    assert f"removing {kept}: only the newest 2 unfinished saves are kept" in caplog.text

@@ -268,6 +268,25 @@ def test_read_ahead_keeps_to_its_budget_and_raises_the_threads_error():
         next(it)
 
 
+def test_read_ahead_close_waits_for_its_thread():
+    """Closing the iterator stops the reader and waits for it, even mid-encode: no reader thread
+    outlives its iterator (a new pass would otherwise race a stale one)."""
+    import time
+
+    from hymo_recipes.titan.dataloader import ReadAhead
+
+    def slow_encode(texts):
+        time.sleep(0.3)
+        return [[1] * 4 for _ in texts]
+
+    ra = ReadAhead(iter(range(10_000)), lambda s: s, slow_encode, budget=1 << 20)
+    it = iter(ra)
+    next(it)
+    time.sleep(0.05)  # the thread is now inside its second encode
+    it.close()
+    assert not ra._thread.is_alive()
+
+
 def test_a_streaming_dataset_resumes_exactly(tokenizer, monkeypatch):
     """A streaming dataset's saved position is its iterator's own state: it must be the position
     of the documents consumed (not of documents a reader thread took ahead), so that a resume

@@ -101,6 +101,21 @@ def test_hymo_section_parses_and_each_knob_is_validated_once(tmp_path):
         parse_config(big + ["--hymo.gdn_bwd_path", "split"])
     with pytest.raises(SystemExit, match="invalid job config.*unknown gdn_backend 'tritn'"):
         parse_config(args + ["--hymo.gdn_backend", "tritn"])
+    assert parse_config(big + ["--hymo.gdn_mixer_saves", "outputs"]).hymo.gdn_mixer_saves == "outputs"
+    # a memory choice of the fused mixer: a PyTorch backend takes it (and keeps what autograd keeps)
+    assert parse_config(args + ["--hymo.gdn_mixer_saves", "outputs"]).hymo.gdn_mixer_saves == "outputs"
+    with pytest.raises(SystemExit, match="invalid job config.*unknown gdn_mixer_saves 'all'; choose one of"):
+        parse_config(big + ["--hymo.gdn_mixer_saves", "all"])
+
+
+@pytest.mark.parametrize("config", ["hymo_small.toml", "hymo_750m.toml"])
+def test_a_gpu_config_parses_with_a_cpu_backend(config):
+    """The preflight's advice for a machine without a GPU (--hymo.gdn_backend torch_chunk) works
+    with every shipped GPU config, whatever its mixer keeps."""
+    path = Path(__file__).resolve().parents[2] / "train_configs" / config
+    parsed = parse_config(["--job.config_file", str(path), "--hymo.gdn_backend", "torch_chunk", "--compile.no-enable",
+                           "--job.dump_folder", "/nonexistent-hymo-dump"])
+    assert parsed.hymo.gdn_backend == "torch_chunk"
 
 
 def test_hymo_options_parse_without_the_custom_config_module(tmp_path):
