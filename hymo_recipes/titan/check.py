@@ -7,7 +7,8 @@ lengths, tokenizer, schedule, optimizer values, batch sizes against the process 
 and the checkpoint a resume would load), builds the model on the meta device (no memory),
 builds the optimizers on it (the partition: tensors and parameters per optimizer) and prints a
 memory estimate per GPU under FSDP2 at the run's process count: parameters, gradients and
-optimizer states, sharded over the data-parallel ranks, plus the all-gathered blocks. Not
+optimizer states, sharded over the data-parallel ranks, plus the gathered parameters: two blocks
+when FSDP reshards after the forward, every block when it does not (one rank, by default). Not
 included: activations, which depend on the batch, compile and activation checkpointing
 (measured in BENCHMARKS.md). Not checked, being properties of the machine that runs: whether it
 can run the GDN backend and compile it. No step runs and nothing is written; meta tensors hold
@@ -43,13 +44,18 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
     state = [v for opt in optimizers.values() for s in opt.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
     o_bytes = _tensor_bytes(state)
+    from hymo_recipes.titan.parallelize import reshard_after_forward
+
     gathered = TORCH_DTYPE_MAP[config.training.mixed_precision_param].itemsize
     block = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()), default=0)
-    # FSDP2 gathers one block ahead (forward and backward prefetch): two blocks at a time
-    gather_bytes = 2 * block * gathered if dp > 1 else 0
+    if reshard_after_forward(config.parallelism.fsdp_reshard_after_forward, dp):
+        # FSDP2 gathers one block ahead (forward and backward prefetch): two blocks at a time
+        gather_bytes, gathers = 2 * block * gathered, "all-gathered blocks"
+    else:  # every block's gathered copy stays from its forward to its backward
+        gather_bytes, gathers = sum(p.numel() for p in params) * gathered, "gathered copies kept for the backward"
     total = (2 * p_bytes + o_bytes) / dp + gather_bytes
     return [f"HyMo memory per GPU at {dp} data-parallel rank(s) (FSDP2, sharded): parameters {_size(p_bytes / dp)}, "
-            f"gradients {_size(p_bytes / dp)}, optimizer states {_size(o_bytes / dp)}, all-gathered blocks "
+            f"gradients {_size(p_bytes / dp)}, optimizer states {_size(o_bytes / dp)}, {gathers} "
             f"{_size(gather_bytes)} ({config.training.mixed_precision_param}); {_size(total)} in all, "
             "activations not included (BENCHMARKS.md measures them)"]
 

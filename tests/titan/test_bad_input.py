@@ -219,6 +219,32 @@ def test_run_train_sh_uses_the_repositorys_venv_or_says_how_to_make_one(tmp_path
         "run ./scripts/setup.sh, then . .venv/bin/activate"], out
 
 
+@pytest.mark.parametrize("policy, dp, kept_all", [("default", 1, True), ("default", 2, False), ("always", 1, False),
+                                                  ("never", 2, True)])
+def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, kept_all):
+    """Resharding after the forward, FSDP holds two gathered blocks; without it (one rank, by
+    default) every block's gathered copy stays until the backward: the estimate counts that."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hymo_recipes.model import HymoModel, hymo_flavors
+    from hymo_recipes.titan.check import memory_lines
+
+    with torch.device("meta"):
+        model = HymoModel(hymo_flavors["debugmodel"])
+    config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="bfloat16"),
+                             parallelism=SimpleNamespace(fsdp_reshard_after_forward=policy))
+    [line] = memory_lines(model, {}, config, dp)
+    n = sum(p.numel() for p in model.parameters())
+    block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers.values())
+    gathered = n * 2 if kept_all else 2 * block * 2
+    label = "gathered copies kept for the backward" if kept_all else "all-gathered blocks"
+    assert f"{label} {gathered / (1 << 20):.1f} MiB (bfloat16)" in line, line
+    total = (2 * n * 4) / dp + gathered
+    assert f"{total / (1 << 20):.1f} MiB in all" in line, line
+
+
 def test_check_mode_passes_the_750m_config_on_a_cpu_in_little_memory(tmp_path):
     """CHECK=1: preflight, meta model, optimizer partition, memory per GPU at NGPU=8; no step."""
     env = dict(os.environ, CHECK="1", NGPU="8", CONFIG_FILE="train_configs/hymo_750m.toml",
