@@ -176,11 +176,13 @@ def check_checkpoint_to_load(config) -> None:
     if target is None:
         return
     if plan.unchecked:
-        logger.warning(f"resuming from step-{target} in {folder} unchecked: {plan.unchecked}; the tokenizer, model "
-                       "shape and file checksums cannot be compared with this run's")
+        logger.warning(f"resuming from step-{target} in {folder} unchecked: {plan.unchecked}; the tokenizer and "
+                       "file checksums cannot be compared with this run's, only the model's shapes")
     earlier = checkpoints.whole_earlier(plan)
     if os.path.isfile(os.path.join(plan.path, ".metadata")):
         check_dcp_checkpoint(plan.path, earlier=earlier)
+        if plan.unchecked:
+            check_model_shapes(plan.path, config)
     if not plan.unchecked:
         # every rank compares identity and sizes; the run's first rank also reads every byte
         checkpoints.check_manifest(plan.path, config, earlier, checksums=os.environ.get("RANK", "0") == "0")
@@ -188,6 +190,38 @@ def check_checkpoint_to_load(config) -> None:
         from hymo_recipes.titan.resume_schedule import check_schedule_continues
 
         check_schedule_continues(config, plan.path)  # a warning if the lr would jump at this step
+
+
+def check_model_shapes(path: str, config) -> None:
+    """For a checkpoint without a manifest: raises ValueError naming the first tensor of this
+    run's model (its flavor and model args, built on the meta device) that the DCP checkpoint at
+    `path` holds in another shape or, holding the model, lacks. A checkpoint with none of the
+    model's entries is left to TorchTitan's load."""
+    if config.model.name != "hymo":
+        return
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hymo_recipes.model import HymoModel, hymo_flavors
+
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    args = copy.deepcopy(hymo_flavors[config.model.flavor])
+    args.update_from_config(config)
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in HymoModel(args).state_dict().items()}
+    # TorchTitan 0.2.2 saves the model's entries at the top level; "model." covers other layouts
+    found = {k: stored.get(k, stored.get(f"model.{k}")) for k in want}
+    if not any(hasattr(m, "size") for m in found.values()):
+        return
+    fix = "resume with the flavor and [hymo] settings it was trained with, or give this run a new job.dump_folder"
+    for key, shape in want.items():
+        meta = found[key]
+        if meta is None or not hasattr(meta, "size"):
+            raise ValueError(f"checkpoint {path} holds another model than this run's (flavor {config.model.flavor!r}): "
+                             f"no {key}; {fix}")
+        if tuple(meta.size) != shape:
+            raise ValueError(f"checkpoint {path} holds a model of another shape than this run's (flavor "
+                             f"{config.model.flavor!r}): {key} is {list(meta.size)} there, {list(shape)} here; {fix}")
 
 
 def check_dcp_checkpoint(path: str, earlier: list[int] = ()) -> None:

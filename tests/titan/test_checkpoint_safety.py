@@ -194,6 +194,27 @@ def test_a_step_without_its_manifest_is_skipped_and_old_checkpoints_still_resume
     assert _train(dump, 0)[2]._find_load_step() == 4
 
 
+def test_a_checkpoint_without_a_manifest_is_still_compared_by_its_model_shapes(tmp_path, caplog):
+    """A checkpoint written before manifests resumes unchecked, but one of another model shape
+    (here another vocabulary) stops in one line before the model is built, not in a load error."""
+    import copy
+
+    from hymo_recipes.model import HymoModel, hymo_flavors
+
+    dump = tmp_path / "out"
+    args = copy.deepcopy(hymo_flavors["debugmodel"])
+    args.update_from_config(_config(dump))
+    state = {k: v.detach() for k, v in HymoModel(args).state_dict().items()}
+    dcp.save(state, checkpoint_id=str(dump / "checkpoint" / "step-5"))
+    with caplog.at_level("WARNING"):
+        _config(dump)  # the same model: resumes, unchecked
+    assert "resuming from step-5" in caplog.text and "only the model's shapes" in caplog.text
+    with pytest.raises(SystemExit, match=r"step-5 holds a model of another shape than this run's \(flavor "
+                                         r"'debugmodel'\): tok_embeddings.weight is \[8192, 256\] there, "
+                                         r"\[8256, 256\] here; resume with the flavor"):
+        _config(dump, "--hymo.vocab_size", "8256")
+
+
 def test_a_save_killed_before_its_manifest_is_skipped(run_dir, caplog):
     dump, folder = run_dir
     shutil.copytree(folder / "step-4", folder / "step-6")  # DCP finished: shards and .metadata
