@@ -317,18 +317,8 @@ def run(opts) -> None:
           f"{n:,} values; logit multiplier {written['logit_multiplier']:g})")
 
 
-def main(argv: list[str] | None = None, prog: str = "export_hf", parser=build_parser, runner=run) -> int:
-    try:
-        opts = parser().parse_args(argv)
-        runner(opts)
-    except GenerateError as e:
-        sys.stdout.flush()
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
-        return 130
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return generate.run_command(argv, "export_hf", build_parser, run)
 
 
 if __name__ == "__main__":

@@ -443,18 +443,24 @@ def run(opts) -> None:
           f"(first token after {ttft:.2f} s for a {sum(map(len, ids))}-token prefill{rate})", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(argv: list[str] | None, prog: str, parser, runner) -> int:
+    """A command's main: parse, run; a GenerateError (or subclass) is one line and exit code 2,
+    Ctrl-C exit code 130. Shared by generate, export_hf and import_hf."""
     try:
-        opts = build_parser().parse_args(argv)
-        run(opts)
+        opts = parser().parse_args(argv)
+        runner(opts)
     except GenerateError as e:
         sys.stdout.flush()
-        print(f"generate: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ngenerate: interrupted", file=sys.stderr)
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(argv, "generate", build_parser, run)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ import sys
 import time
 import warnings
 
-from hymo_recipes.export_hf import (ExportError, _Parser, check_state, hf_config, hymo_state_from_hf, main as _main,
+from hymo_recipes.export_hf import (ExportError, _Parser, check_state, hf_config, hymo_state_from_hf,
                                     read_safetensors)
+from hymo_recipes import generate
 from hymo_recipes.model import HymoModelArgs, hymo_flavors
 
 STEP = "step-0"
@@ -181,7 +182,7 @@ def run(opts) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _main(argv, prog="import_hf", parser=build_parser, runner=run)
+    return generate.run_command(argv, "import_hf", build_parser, run)
 
 
 if __name__ == "__main__":

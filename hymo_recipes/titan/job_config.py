@@ -49,7 +49,7 @@ class Hymo:
     """What the fused GDN mixer keeps for its backward: "inputs" (the q/k/v/gate projections; the
     conv outputs and the gated norm's output are recomputed in the backward: the least memory),
     "outputs" (those kept too: 10 KiB more per token and GDN layer at the 750m's widths in bf16,
-    7.5 GiB more per 8 x 4096-token microbatch; each mixer's backward 5 % faster), or "flavor" to
+    7.5 GiB more per 8 x 4096-token microbatch; each mixer's fwd+bwd 5 % faster), or "flavor" to
     keep the flavor's. Measured: BENCHMARKS.md. It changes no result, and the PyTorch paths
     (gdn_backend other than "triton") take either value: they keep what autograd keeps."""
     mup_base_width: int = -1
