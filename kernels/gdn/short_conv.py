@@ -6,12 +6,20 @@ across a document start). x may be a strided view (its last dim contiguous): the
 the three projections' outputs in as they come.
 
 The backward recomputes the pre-activation from x rather than saving it: the conv's only saved
-tensors are x and w, the inputs it already holds. It is one kernel: each program recomputes z
-and dz = dy ⊙ silu'(z) once per row of its tile, and gathers dx[t] from the W rows of dz at t..t+W-1
-inside the same register tile; tiles overlap by the W - 1 rows that two programs both need, so
-dz never makes a round trip through memory (writing it out in fp32 and reading it back in a
-second kernel moves four times the bytes of a bf16 x). dw is summed per program in fp32 (a [programs, W, C] slab,
-then one sum), so the result does not depend on scheduling.
+tensors are x and w, the inputs it already holds. Each direction is one kernel, and dz = dy ⊙
+silu'(z) never makes a round trip through memory (writing it out in fp32 and reading it back
+moves four times the bytes of a bf16 x). dw is summed per program in fp32 (a [programs, W, C]
+slab, then one sum), so the result does not depend on scheduling.
+
+Two designs, chosen by W:
+- W ≤ 4 (HyMo's and fla's conv): the row-walking kernels. A program owns a strip of channels
+  and a run of rows and takes one row at a time, the W - 1 neighbouring rows of x (and, in the
+  backward, which walks the rows from last to first, the W - 1 later rows of dz) carried in
+  registers: every x and dy row is read once, plus W - 1 rows of halo per program.
+- W > 4: the tile kernels. The backward forms dz over a [rows, channels] tile and gathers dx[t]
+  from its W rows t..t+W-1 inside the same register tile; tiles overlap by the W - 1 rows two
+  programs both need. At the 750m shape this backward takes twice the row-walking one's time
+  (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -99,11 +107,133 @@ def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, STEP, 
         tl.store(dw_base + (W - 1 - j) * C, tl.sum(dz * xs.to(tl.float32), 0), mask=cm)
 
 
+@triton.jit
+def _tap(w_ptr, c, cm, W: tl.constexpr, j: tl.constexpr):
+    """w[:, W-1-j] in fp32 (the weight of x[t - j]), zero for the taps a conv of W < 4 lacks."""
+    if j < W:
+        return tl.load(w_ptr + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(c.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _taps(w_ptr, c, cm, W: tl.constexpr):
+    return _tap(w_ptr, c, cm, W, 0), _tap(w_ptr, c, cm, W, 1), _tap(w_ptr, c, cm, W, 2), _tap(w_ptr, c, cm, W, 3)
+
+
+@triton.jit
+def _conv_fwd_rows_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
+                          W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+    """y of the L rows from s·L on and BC channels, one row at a time (W ≤ 4): the W - 1 rows
+    before the current one ride along in registers, so each x row is read once."""
+    b, s, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c = ic * BC + tl.arange(0, BC)
+    cm = c < C
+    ct = c * 0  # a row index plus ct is a mask over the channels
+    w0, w1, w2, w3 = _taps(w_ptr, c, cm, W)
+    t0 = s * L
+    x_base = x_ptr + b * stride_xb + c
+    x1 = tl.load(x_base + (t0 - 1) * stride_xt, mask=cm & (ct + t0 >= 1), other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + (t0 - 2) * stride_xt, mask=cm & (ct + t0 >= 2), other=0.0).to(tl.float32)
+    x3 = tl.load(x_base + (t0 - 3) * stride_xt, mask=cm & (ct + t0 >= 3), other=0.0).to(tl.float32)
+    for i in tl.static_range(L):
+        t = t0 + i
+        x0 = tl.load(x_base + t * stride_xt, mask=cm & (ct + t < T), other=0.0).to(tl.float32)
+        if HAS_POS:
+            p = tl.load(pos_ptr + t, mask=t < T, other=0)
+            z = w0 * x0 + tl.where(p >= 1, w1 * x1, 0.0) + tl.where(p >= 2, w2 * x2, 0.0) + \
+                tl.where(p >= 3, w3 * x3, 0.0)
+        else:
+            z = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+        tl.store(y_ptr + b * stride_yb + t * stride_yt + c, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty),
+                 mask=cm & (ct + t < T))
+        x3, x2, x1 = x2, x1, x0
+
+
+@triton.jit
+def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
+                          stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
+                          HAS_POS: tl.constexpr):
+    """dx and the dw partial of the L rows from s·L on and BC channels (W ≤ 4), walking the rows
+    backwards from the last one that reaches into them (s·L + L + 2): at row u, dz[u] = dy[u] ⊙
+    silu'(z[u]) and dx[u] = Σ_r w[W-1-r] dz[u + r], the three later dz rows and the three x rows
+    z[u] needs besides x[u-3] kept in registers from the rows before, so each x and dy row is read
+    once (plus the three rows of halo) and dz never goes to memory."""
+    b, s, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c = ic * BC + tl.arange(0, BC)
+    cm = c < C
+    ct = c * 0  # a row index plus ct is a mask over the channels
+    w0, w1, w2, w3 = _taps(w_ptr, c, cm, W)
+    t0 = s * L
+    t1 = t0 + L  # own rows [t0, t1)
+    x_base = x_ptr + b * stride_xb + c
+    dy_base = dy_ptr + b * stride_dyb + c
+    u0 = t1 + 2  # the first row walked: the last one whose taps reach row t1 - 1
+    xa = tl.load(x_base + u0 * stride_xt, mask=cm & (ct + u0 < T), other=0.0).to(tl.float32)  # x[u]
+    xb = tl.load(x_base + (u0 - 1) * stride_xt, mask=cm & (ct + u0 - 1 < T), other=0.0).to(tl.float32)  # x[u-1]
+    xc = tl.load(x_base + (u0 - 2) * stride_xt, mask=cm & (ct + u0 - 2 < T), other=0.0).to(tl.float32)  # x[u-2]
+    dz1 = tl.zeros([BC], dtype=tl.float32)  # dz[u+1], dz[u+2], dz[u+3]
+    dz2 = tl.zeros([BC], dtype=tl.float32)
+    dz3 = tl.zeros([BC], dtype=tl.float32)
+    if HAS_POS:  # pos[u+1], pos[u+2], pos[u+3]: whether their taps reach back to u
+        p1 = tl.zeros([], dtype=tl.int32)
+        p2 = tl.zeros([], dtype=tl.int32)
+        p3 = tl.zeros([], dtype=tl.int32)
+    dw0 = tl.zeros([BC], dtype=tl.float32)
+    dw1 = tl.zeros([BC], dtype=tl.float32)
+    dw2 = tl.zeros([BC], dtype=tl.float32)
+    dw3 = tl.zeros([BC], dtype=tl.float32)
+    for n in tl.static_range(L + 3):
+        u = u0 - n
+        inside = (u < T) & (u >= 0)
+        xd = tl.load(x_base + (u - 3) * stride_xt, mask=cm & (ct + u >= 3) & (ct + u - 3 < T), other=0.0).to(tl.float32)
+        dy = tl.load(dy_base + u * stride_dyt, mask=cm & (ct + u < T) & (ct + u >= 0), other=0.0).to(tl.float32)
+        if HAS_POS:
+            p = tl.load(pos_ptr + u, mask=inside, other=0)
+            t1x = tl.where(p >= 1, xb, 0.0)
+            t2x = tl.where(p >= 2, xc, 0.0)
+            t3x = tl.where(p >= 3, xd, 0.0)
+        else:
+            t1x, t2x, t3x = xb, xc, xd
+        z = w0 * xa + w1 * t1x + w2 * t2x + w3 * t3x
+        sig = tl.sigmoid(z)
+        dz = dy * sig * (1.0 + z * (1.0 - sig))  # 0 on rows past T
+        if n >= 3:  # an own row (rows past T are masked at the store)
+            if HAS_POS:
+                dx = w0 * dz + tl.where(p1 >= 1, w1 * dz1, 0.0) + tl.where(p2 >= 2, w2 * dz2, 0.0) + \
+                    tl.where(p3 >= 3, w3 * dz3, 0.0)
+            else:
+                dx = w0 * dz + w1 * dz1 + w2 * dz2 + w3 * dz3
+            tl.store(dx_ptr + b * stride_dxb + u * stride_dxt + c, dx.to(dx_ptr.dtype.element_ty),
+                     mask=cm & (ct + u < T) & (ct + u >= 0))
+            dw0 += dz * xa
+            dw1 += dz * t1x
+            dw2 += dz * t2x
+            dw3 += dz * t3x
+        dz3, dz2, dz1 = dz2, dz1, dz
+        if HAS_POS:
+            p3, p2, p1 = p2, p1, p
+        xa, xb, xc = xb, xc, xd
+    dw_base = dw_ptr + ((b * tl.num_programs(1) + s) * W) * C + c
+    tl.store(dw_base + (W - 1) * C, dw0, mask=cm)
+    if W >= 2:
+        tl.store(dw_base + (W - 2) * C, dw1, mask=cm)
+    if W >= 3:
+        tl.store(dw_base + (W - 3) * C, dw2, mask=cm)
+    if W >= 4:
+        tl.store(dw_base + (W - 4) * C, dw3, mask=cm)
+
+
 # (rows, channels, warps) per program of the forward and of the backward (whose rows include the
 # W - 1 it shares with the next program), from sweeps at the 750m shape on an H200; what each
 # sweep found: benchmarks/HISTORY.md
 FWD_TILE = (32, 128, 4)
 BWD_TILE = (64, 32, 4)
+# (rows, channels, warps) per program of the row-walking kernels, used for W <= ROWS_MAX_W (they
+# carry at most three earlier taps in registers); from a sweep at the 750m shape on an H200
+FWD_ROWS = (16, 256, 2)
+BWD_ROWS = (16, 256, 4)
+ROWS_MAX_W = 4
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
@@ -119,9 +249,15 @@ def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
 def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, w, positions)
     B, T, C = x.shape
-    BT, BC, warps = FWD_TILE
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x  # a dummy pointer when HAS_POS is off
+    if w.shape[1] <= ROWS_MAX_W:
+        L, BC, warps = FWD_ROWS
+        _conv_fwd_rows_kernel[(B, triton.cdiv(T, L), triton.cdiv(C, BC))](
+            x, w, y, pos, T, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1), W=w.shape[1], L=L, BC=BC,
+            HAS_POS=positions is not None, num_warps=warps)
+        return y
+    BT, BC, warps = FWD_TILE
     grid = (B, triton.cdiv(T, BT), triton.cdiv(C, BC))
     _conv_fwd_kernel[grid](x, w, y, pos, T, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
                            W=w.shape[1], BT=BT, BC=BC, HAS_POS=positions is not None, num_warps=warps)
@@ -132,15 +268,23 @@ def conv_silu_bwd(x, w, dy, positions=None):
     _check(x, w, positions)
     B, T, C = x.shape
     W = w.shape[1]
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    pos = positions if positions is not None else x
+    if W <= ROWS_MAX_W:
+        L, BC, warps = BWD_ROWS
+        NT = triton.cdiv(T, L)
+        dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
+        _conv_bwd_rows_kernel[(B, NT, triton.cdiv(C, BC))](
+            x, w, dy, dx, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
+            dx.stride(1), W=W, L=L, BC=BC, HAS_POS=positions is not None, num_warps=warps)
+        return dx, dw_part.sum(0).t().contiguous().to(w.dtype)
     BT, BC, warps = BWD_TILE
     while BT < 2 * W:  # at least W rows per program besides the shared ones
         BT *= 2
     STEP = BT - (W - 1)
     NT = triton.cdiv(T, STEP)
-    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
-    pos = positions if positions is not None else x
     _conv_bwd_kernel[(B, NT, triton.cdiv(C, BC))](
         x, w, dy, dx, dw_part, pos, T, C, STEP, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
         dx.stride(1), W=W, BT=BT, BC=BC, HAS_POS=positions is not None, num_warps=warps)

@@ -30,13 +30,18 @@ def positions_of(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])
 
 
-@pytest.mark.parametrize("B, T, C, lengths", [(2, 70, 40, None), (1, 130, 96, [17, 1, 42, 70]), (1, 3, 8, None)],
-                         ids=["B2-T70", "packed-T130", "T3"])
-def test_short_conv(B, T, C, lengths, nan_poison):
+@pytest.mark.parametrize("B, T, C, W, lengths",
+                         [(2, 70, 40, 4, None), (1, 130, 96, 4, [17, 1, 42, 70]), (1, 3, 8, 4, None),
+                          (2, 37, 24, 2, None), (1, 40, 24, 3, [2, 1, 37]), (2, 45, 24, 5, None),
+                          (1, 50, 24, 5, [3, 1, 46])],
+                         ids=["B2-T70", "packed-T130", "T3", "W2", "W3-packed", "W5", "W5-packed"])
+def test_short_conv(B, T, C, W, lengths, nan_poison):
+    """W <= 4 runs the row-walking kernels (rows of several programs, the halo between them), W = 5
+    the tile kernels; both against the float64 reference, values and both gradients."""
     torch.manual_seed(0)
     wide = torch.randn(B, T, C + 8, device=DEV)
     x = wide[..., 4:4 + C]  # a strided view, as the projections hand it in
-    w = torch.randn(C, 4, device=DEV)
+    w = torch.randn(C, W, device=DEV)
     pos = positions_of(lengths).to(DEV) if lengths else None
     xr, wr = x.double().detach().requires_grad_(), w.double().requires_grad_()
     ref = F.silu(short_causal_conv(xr, wr[:, None, :], pos))
