@@ -8,11 +8,17 @@ and the checkpoint a resume would load), builds the model on the meta device (no
 builds the optimizers on it (the partition: tensors and parameters per optimizer) and prints a
 memory estimate per GPU under FSDP2 at the run's process count: parameters, gradients and
 optimizer states, sharded over the data-parallel ranks, plus the gathered parameters: two blocks
-when FSDP reshards after the forward, every block when it does not (one rank, by default). Not
-included: activations, which depend on the batch, compile and activation checkpointing
-(measured in BENCHMARKS.md). Not checked, being properties of the machine that runs: whether it
-can run the GDN backend and compile it. No step runs and nothing is written; meta tensors hold
-no memory, so hymo_750m checks on a small CPU machine.
+when FSDP reshards after the forward, every block when it does not (one rank, by default); and
+the activations (``activation_bytes``): what eager autograd saves for the backward, measured by
+running one block of each kind, and the final norm, MTP heads, tied head and loss, on meta
+tensors of the run's [local_batch_size, seq_len] in training.mixed_precision_param, under
+``saved_tensors_hooks``, times the blocks of that kind, as activation checkpointing leaves it.
+torch.compile's partitioner may save less or more than eager autograd, and the peak also holds
+transient buffers (kernel workspaces, the logits' gradients, the block being recomputed's
+temporaries, the allocator's fragmentation): BENCHMARKS.md measures the peaks. Not checked,
+being properties of the machine that runs: whether it can run the GDN backend and compile it. No
+step runs and nothing is written; meta tensors hold no memory, so hymo_750m checks on a small
+CPU machine.
 """
 
 from __future__ import annotations
@@ -35,6 +41,175 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _saved_bytes(fn, exclude: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``fn()`` runs, less
+    those in ``exclude`` (storage keys of parameters and buffers: the gathered parameters are
+    counted apart, and a buffer is not an activation).
+
+    Dedupe by storage: meta tensors have no data (every data_ptr is 0), so a storage is known by
+    its C++ StorageImpl's address (``untyped_storage()._cdata``), which every view of a tensor
+    shares and no two live storages share (the hook holds each saved tensor until the count is
+    done, so no address is reused). A storage counts its whole size: a saved slice keeps its
+    whole base alive."""
+    import torch
+
+    saved: dict[int, tuple[int, object]] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        saved.setdefault(s._cdata, (s.nbytes(), t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(n for key, (n, _) in saved.items() if key not in exclude)
+
+
+def _storage_keys(*modules) -> set[int]:
+    return {t.untyped_storage()._cdata for m in modules for t in (*m.parameters(), *m.buffers())}
+
+
+def _gpu_kernels():
+    """A TorchFunctionMode under which the probe saves what the GPU's eager kernels save, where
+    the meta device's (CPU-style composite) paths differ: causal SDPA without a mask runs as flash
+    attention (saves q, k, v, the output and fp32 logsumexp [B, H, T]; CUDA's flash op also keeps
+    two RNG scalars: the CPU flash op, which has a meta kernel, stands in), not as the math path
+    (which saves the [B, H, T, T] attention weights); RMSNorm as the fused kernel (saves its
+    input, weight and fp32 1/rms per row), not as fp32 composite ops."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class FusedRMSNorm(torch.autograd.Function):
+        # forward only: the probe never runs a backward
+        @staticmethod
+        def forward(ctx, x, shape, weight, eps):
+            dims = tuple(range(-len(shape), 0))
+            rstd = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + (torch.finfo(x.dtype).eps if eps is None
+                                                                             else eps))
+            ctx.save_for_backward(x, weight, rstd)
+            y = (x.float() * rstd).to(x.dtype)
+            return y if weight is None else y * weight
+
+        @staticmethod
+        def backward(ctx, dy):
+            raise NotImplementedError("the config check's memory probe has no backward")
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):  # F.rms_norm's signature
+        return FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
+    class GPUKernels(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+                q, k, v = args
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                    scale=kwargs.get("scale"))[0]
+            if func is F.rms_norm:
+                return rms_norm(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    return GPUKernels()
+
+
+def _probe_copy(module, dtype, memo=None):
+    """A copy of a meta module with its parameters (not buffers) in ``dtype``, as FSDP's mixed
+    precision gathers them; routed experts as they run on the GPU (``_probe_experts``)."""
+    import copy
+
+    import torch
+
+    from hymo_recipes.model.moe import GroupedExperts
+
+    m = copy.deepcopy(module, memo)
+    for p in m.parameters():
+        p.data = p.data.to(dtype)
+    for sub in m.modules():
+        if isinstance(sub, GroupedExperts):
+            sub.forward = _probe_experts.__get__(sub)
+    return m
+
+
+def _probe_experts(self, x, num_tokens_per_expert):
+    """GroupedExperts.forward on meta tensors as it runs on a GPU: torch._grouped_mm for bf16
+    (its shapes are fixed by the token and expert counts), else the per-expert loop, here over an
+    even split of the rows: the loop's saved tensors hold each expert's rows, so their bytes are
+    the same for every split (the real one needs the routing's data)."""
+    import torch
+
+    from hymo_recipes.model.grouped_mm import grouped_swiglu
+
+    w1, w2, w3 = self.w1, self.w2, self.w3
+    dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
+    if self.use_grouped_mm and dtype == torch.bfloat16:
+        return grouped_swiglu(w1, w2, w3, x, num_tokens_per_expert).to(x.dtype)
+    E, M = self.num_experts, x.shape[0]
+    even = torch.tensor([M // E + (e < M % E) for e in range(E)])
+    return self._loop(x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), even).to(x.dtype)
+
+
+def _block_kind(block) -> str:
+    name = "MLA+MoE block" if getattr(block, "moe_enabled", False) else "GDN block"
+    return name if getattr(block.attn, "use_rope", True) else f"{name} (NoPE)"
+
+
+def activation_bytes(model, config) -> dict:
+    """Activations per GPU for one microbatch (module docstring): eager autograd's saved set on the
+    GPU's kernels (``_gpu_kernels``), at the run's [local_batch_size, seq_len], in
+    training.mixed_precision_param, for unpacked rows (document masking's masked attention is not
+    probed).
+
+    Returns ``{"blocks": {kind: (count, saved bytes of one block)}, "input": one block's input,
+    "heads": final norm + MTP heads + tied head + loss (the logits in fp32 for the cross
+    entropy), "kept": what stays for the backward as activation_checkpoint.mode leaves it,
+    "assumed": how the mode was counted}``. Activation checkpointing: "full" keeps each block's
+    input, plus one block's saved set while it is recomputed in the backward; "selective" with
+    a layer period n (selective_ac_option "n", TorchTitan's count from 1) does that for every
+    n-th block and keeps the others whole; per-op selective ("op") is counted as no
+    checkpointing, an upper bound (it keeps the saved ops' outputs and recomputes the rest)."""
+    import torch
+
+    from hymo_recipes.titan.loss import head_ce_sums
+
+    t = config.training
+    dtype = TORCH_DTYPE_MAP[t.mixed_precision_param]
+    B, T, D = t.local_batch_size, t.seq_len, model.model_args.dim
+    base = _storage_keys(model)
+    kinds, order = {}, []
+    with _gpu_kernels():
+        for block in model.layers.values():
+            kind = _block_kind(block)
+            order.append(kind)
+            if kind in kinds:
+                kinds[kind][0] += 1
+                continue
+            probe = _probe_copy(block, dtype)
+            x = torch.empty(B, T, D, device="meta", dtype=dtype, requires_grad=True)
+            saved = _saved_bytes(lambda: probe(x, model.rope_cache), base | _storage_keys(probe))
+            kinds[kind] = [1, saved]
+        # the root without its blocks: embedding (saves the token ids), final norm, MTP heads, tied head
+        head = _probe_copy(model, dtype, memo={id(model.layers): torch.nn.ModuleDict()})
+        tokens = torch.empty(B, T, device="meta", dtype=torch.long)
+        heads = _saved_bytes(lambda: head_ce_sums(*head(tokens), tokens), base | _storage_keys(head))
+    x_bytes = B * T * D * dtype.itemsize
+    ac = config.activation_checkpoint
+    mode, option = ac.mode, str(getattr(ac, "selective_ac_option", ""))
+    if mode == "full" or (mode == "selective" and option.isdigit()):
+        n = 1 if mode == "full" else int(option)
+        checkpointed = [i % n == 0 if n else True for i in range(1, len(order) + 1)]
+        kept = sum(x_bytes if c else kinds[k][1] for k, c in zip(order, checkpointed))
+        kept += max((kinds[k][1] for k, c in zip(order, checkpointed) if c), default=0)
+        assumed = ("each block keeps its input, one block recomputed at a time" if mode == "full" else
+                   f"every {n}th block keeps its input (one recomputed at a time), the others all")
+    else:
+        kept = sum(count * saved for count, saved in kinds.values())
+        assumed = ("no checkpointing" if mode == "none" else
+                   "per-op selective counted as no checkpointing, an upper bound")
+    return {"blocks": {k: tuple(v) for k, v in kinds.items()}, "input": x_bytes, "heads": heads,
+            "kept": kept + heads, "assumed": assumed}
+
+
 def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
     """The estimate per GPU (module docstring), one line each."""
     import torch
@@ -54,10 +229,19 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
     else:  # every block's gathered copy stays from its forward to its backward
         gather_bytes, gathers = sum(p.numel() for p in params) * gathered, "gathered copies kept for the backward"
     total = (2 * p_bytes + o_bytes) / dp + gather_bytes
+    t = config.training
+    act = activation_bytes(model, config)
+    tokens = t.local_batch_size * t.seq_len
+    blocks = ", ".join(f"{kind} {saved / tokens / 1024:.1f} KiB/token x {count}"
+                       for kind, (count, saved) in act["blocks"].items())
     return [f"HyMo memory per GPU at {dp} data-parallel rank(s) (FSDP2, sharded): parameters {_size(p_bytes / dp)}, "
             f"gradients {_size(p_bytes / dp)}, optimizer states {_size(o_bytes / dp)}, {gathers} "
-            f"{_size(gather_bytes)} ({config.training.mixed_precision_param}); {_size(total)} in all, "
-            "activations not included (BENCHMARKS.md measures them)"]
+            f"{_size(gather_bytes)} ({t.mixed_precision_param}); {_size(total)} in all, activations apart (next line)",
+            f"HyMo activations per GPU, eager autograd's saved tensors for {t.local_batch_size} x {t.seq_len:,} tokens "
+            f"in {t.mixed_precision_param} (activation_checkpoint {config.activation_checkpoint.mode}: "
+            f"{act['assumed']}): {blocks}, norm + MTP heads + head + loss "
+            f"{act['heads'] / tokens / 1024:.1f} KiB/token; {_size(act['kept'])}, {_size(total + act['kept'])} with "
+            "the line above (torch.compile's partitioner may save less or more; the peak adds transient buffers)"]
 
 
 def main(args: list[str] | None = None) -> None:

@@ -233,9 +233,10 @@ def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, kept_all):
 
     with torch.device("meta"):
         model = HymoModel(hymo_flavors["debugmodel"])
-    config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="bfloat16"),
-                             parallelism=SimpleNamespace(fsdp_reshard_after_forward=policy))
-    [line] = memory_lines(model, {}, config, dp)
+    config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="bfloat16", local_batch_size=1, seq_len=64),
+                             parallelism=SimpleNamespace(fsdp_reshard_after_forward=policy),
+                             activation_checkpoint=SimpleNamespace(mode="none"))
+    line, _activations = memory_lines(model, {}, config, dp)
     n = sum(p.numel() for p in model.parameters())
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers.values())
     gathered = n * 2 if kept_all else 2 * block * 2

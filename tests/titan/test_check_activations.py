@@ -1,0 +1,112 @@
+"""The config check's activation estimate (hymo_recipes/titan/check.py ``activation_bytes``): a
+meta-device probe of one block of each kind, checked against a real CPU forward of the whole
+debug model, and against how batch, sequence length, activation checkpointing and the fused GDN
+mixer's saves must move it."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+def _config(B=4, T=256, dtype="float32", mode="none", option="2"):
+    return SimpleNamespace(training=SimpleNamespace(local_batch_size=B, seq_len=T, mixed_precision_param=dtype),
+                           activation_checkpoint=SimpleNamespace(mode=mode, selective_ac_option=option),
+                           parallelism=SimpleNamespace(fsdp_reshard_after_forward="default"))
+
+
+def _meta_model(flavor="debugmodel", **changes):
+    from hymo_recipes.model import HymoModel, hymo_flavors
+
+    args = copy.deepcopy(hymo_flavors[flavor])
+    for name, value in changes.items():
+        setattr(args, name, value)
+    with torch.device("meta"):
+        return HymoModel(args)
+
+
+def test_the_debug_estimate_matches_a_real_cpu_forward_of_the_whole_model():
+    """The printed estimate equals the bytes of the distinct storages a real forward + loss of
+    the debug model saves on the CPU (counted by data_ptr, every block run, real routing), under
+    the same GPU-kernel stand-ins for SDPA and RMSNorm."""
+    from hymo_recipes.model import HymoModel, hymo_flavors
+    from hymo_recipes.titan.check import _gpu_kernels, _size, activation_bytes, memory_lines
+    from hymo_recipes.titan.loss import head_ce_sums
+
+    torch.manual_seed(0)
+    args = copy.deepcopy(hymo_flavors["debugmodel"])
+    model = HymoModel(args)
+    model.init_weights()
+    config = _config()
+    B, T = config.training.local_batch_size, config.training.seq_len
+    tokens = torch.randint(0, args.vocab_size, (B, T))
+    fixed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        saved.setdefault(s.data_ptr(), (s.nbytes(), t))
+        return t
+
+    with _gpu_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head_ce_sums(*model(tokens), tokens)
+    real = sum(n for ptr, (n, _) in saved.items() if ptr not in fixed)
+
+    meta = _meta_model()
+    act = activation_bytes(meta, config)
+    assert act["kept"] == real, (act, real)
+    assert act["blocks"].keys() == {"GDN block", "MLA+MoE block"}
+    assert [count for count, _ in act["blocks"].values()] == [3, 1]
+    assert f"; {_size(real)}, " in memory_lines(meta, {}, config, 1)[1]
+
+
+def test_the_estimate_grows_linearly_with_batch_and_sequence_length():
+    from hymo_recipes.titan.check import activation_bytes
+
+    model = _meta_model()
+    base = activation_bytes(model, _config(B=2, T=128))
+    twice_b = activation_bytes(model, _config(B=4, T=128))
+    twice_t = activation_bytes(model, _config(B=2, T=256))
+    # a few saved tensors do not scale with the tokens (fp32 copies of A_log and dt_bias [H], the
+    # loss's per-head sums): linear up to those bytes
+    assert twice_b["kept"] == pytest.approx(2 * base["kept"], rel=1e-4)
+    for kind, (count, saved) in base["blocks"].items():
+        assert twice_t["blocks"][kind][0] == count
+        assert twice_t["blocks"][kind][1] == pytest.approx(2 * saved, rel=1e-4)
+    # the MTP heads score T - k positions each: the heads' part is linear only to first order
+    assert twice_t["kept"] == pytest.approx(2 * base["kept"], rel=0.01)
+    assert base["kept"] > 1.9 * activation_bytes(model, _config(B=1, T=128))["kept"]
+
+
+def test_activation_checkpointing_keeps_the_block_inputs_and_one_recompute():
+    from hymo_recipes.titan.check import activation_bytes
+
+    model = _meta_model()
+    none, full = activation_bytes(model, _config()), activation_bytes(model, _config(mode="full"))
+    every2 = activation_bytes(model, _config(mode="selective", option="2"))
+    op = activation_bytes(model, _config(mode="selective", option="op"))
+    (gdn_n, gdn), (mla_n, mla) = none["blocks"]["GDN block"], none["blocks"]["MLA+MoE block"]
+    assert full["kept"] == 4 * none["input"] + max(gdn, mla) + none["heads"] < none["kept"]
+    # blocks 2 and 4 (TorchTitan counts from 1) are checkpointed: GDN layer 1 and MLA layer 3
+    assert every2["kept"] == 2 * gdn + 2 * none["input"] + max(gdn, mla) + none["heads"]
+    assert full["kept"] < every2["kept"] < none["kept"] == op["kept"]
+
+
+def test_the_fused_mixer_keeping_its_outputs_costs_four_tensors_per_gdn_block():
+    """With the Triton backend the GDN block's saves come from the fused ops' fake kernels:
+    "outputs" keeps the conv outputs q, k, v and the gated norm's product too."""
+    pytest.importorskip("triton")
+    from hymo_recipes.titan.check import activation_bytes
+
+    config = _config(B=2, T=512, dtype="bfloat16")
+    inputs = activation_bytes(_meta_model("small", gdn_mixer_saves="inputs"), config)
+    outputs = activation_bytes(_meta_model("small", gdn_mixer_saves="outputs"), config)
+    a = _meta_model("small").model_args
+    n, lo = inputs["blocks"]["GDN block"]
+    more = 2 * 512 * (2 * a.gdn_n_heads * a.gdn_head_dim + 2 * a.gdn_n_heads * a.gdn_v_head_dim) * 2
+    assert outputs["blocks"]["GDN block"] == (n, lo + more)
+    assert outputs["kept"] - inputs["kept"] == n * more
+    assert outputs["blocks"]["MLA+MoE block"] == inputs["blocks"]["MLA+MoE block"]
