@@ -46,6 +46,35 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return (j <= i) & (j >= i - positions[:, None])
 
 
+def document_attention_mask(positions: torch.Tensor):
+    """The mask of causal attention inside documents, for every MLA layer of one forward: on
+    the GPU a flex-attention BlockMask (blocks outside every document skipped, no T × T tensor);
+    elsewhere the dense ``document_causal_mask`` for SDPA (flex attention has no CPU backward)."""
+    if positions.device.type != "cuda":
+        return document_causal_mask(positions)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_in_document(b, h, q, kv):
+        return (kv <= q) & (kv >= q - positions[q])
+
+    T = positions.shape[0]
+    return create_block_mask(causal_in_document, None, None, T, T, device=positions.device, _compile=True)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask, scale):
+    """flex_attention compiled (eager flex runs an unfused O(T²) reference); inside a compiled
+    block the call is traced into the block's graph."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
 class MLA(nn.Module):
     """The token mixer of an MLA block (``layers.<i>.attn``).
 
@@ -83,8 +112,12 @@ class MLA(nn.Module):
         x: torch.Tensor,
         rope_cache: torch.Tensor,
         positions: torch.Tensor | None = None,
+        attn_mask=None,
     ) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]; positions [T] marks packed documents (B = 1)."""
+        """x [B, T, dim] -> [B, T, dim]; positions [T] marks packed documents (B = 1), attention
+        then restricted to each document by ``attn_mask``: the model's one
+        ``document_attention_mask(positions)`` for all its MLA layers, or, if not given, the
+        dense ``document_causal_mask``."""
         B, T, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, -1, self.qk_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -105,8 +138,11 @@ class MLA(nn.Module):
         if positions is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True)
         else:
-            mask = document_causal_mask(positions)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)
+            mask = document_causal_mask(positions) if attn_mask is None else attn_mask
+            if isinstance(mask, torch.Tensor):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)
+            else:
+                o = _flex_attention(q, k, v, mask, self.softmax_scale)
         return self.wo(o.transpose(1, 2).reshape(B, T, -1))
 
     @torch.no_grad()

@@ -1,9 +1,11 @@
 """The HyMo model: Gated DeltaNet and MLA+MoE blocks, tied embedding, MTP heads.
 
 Single-device code; parallelism is applied from outside (TorchTitan iterates ``layers``).
-Shapes: B batch, T tokens, D = dim, V = vocab_size. A packed batch is B = 1 with
-``cu_seqlens`` [N + 1] marking N documents: GDN state and conv, attention and RoPE positions
-all restart at every document start, so it computes what N separate forwards would.
+Shapes: B batch, T tokens, D = dim, V = vocab_size. With ``cu_seqlens`` [N + 1] marking N
+documents over the B·T tokens taken row after row (every row starting one), the batch runs as
+one packed sequence: GDN state and conv, attention and RoPE positions all restart at every
+document start, so it computes what N separate forwards would (document masking; training
+derives the boundaries from the batch's BOS tokens, ``documents_of``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,28 @@ from torch import nn
 
 from .args import HymoModelArgs
 from .gdn import GatedDeltaNet
-from .mla import MLA, precompute_rope_cache
+from .mla import MLA, document_attention_mask, precompute_rope_cache
 from .moe import FeedForward, MoE
 from .mtp import MTPHead
+
+
+def documents_of(tokens: torch.Tensor, start_id: int | None = None, end_id: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens [N + 1] int32, positions [B·T] int64) of the documents of a packed batch
+    tokens [B, T]: a document starts at every row start and at every ``start_id`` (BOS) token,
+    or, without one, after every ``end_id`` (EOS) token. The rows are independent samples, so
+    a document the packing split across two rows is two documents, as it is without masking.
+    """
+    if (start_id is None) == (end_id is None):
+        raise ValueError("documents_of: give exactly one of start_id (BOS) and end_id (EOS)")
+    if tokens.dim() != 2:
+        raise ValueError(f"documents_of: tokens must be [B, T], got {tuple(tokens.shape)}")
+    B, T = tokens.shape
+    starts = tokens == start_id if start_id is not None else F.pad(tokens[:, :-1] == end_id, (1, 0))
+    starts[:, 0] = True
+    idx = torch.nonzero(starts.reshape(-1)).squeeze(1)
+    cu = torch.cat([idx, idx.new_full((1,), B * T)]).to(torch.int32)
+    return cu, positions_in_documents(cu, B * T)
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -58,7 +79,7 @@ class GDNBlock(nn.Module):
             self.ffn_norm = None
             self.feed_forward = None
 
-    def forward(self, x, rope_cache, cu_seqlens=None, positions=None):
+    def forward(self, x, rope_cache, cu_seqlens=None, positions=None, attn_mask=None):
         x = x + self.attn(self.attn_norm(x), cu_seqlens, positions)
         if self.feed_forward is not None:
             x = x + self.feed_forward(self.ffn_norm(x))
@@ -88,8 +109,8 @@ class MLABlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe = MoE(args)
 
-    def forward(self, x, rope_cache, cu_seqlens=None, positions=None):
-        x = x + self.attn(self.attn_norm(x), rope_cache, positions)
+    def forward(self, x, rope_cache, cu_seqlens=None, positions=None, attn_mask=None):
+        x = x + self.attn(self.attn_norm(x), rope_cache, positions, attn_mask)
         return x + self.moe(self.ffn_norm(x))
 
     @torch.no_grad()
@@ -152,12 +173,16 @@ class HymoModel(nn.Module):
             apply_mup_init(self)
 
     def forward(
-        self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+        self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """
         Args:
             tokens: [B, T] token ids.
-            cu_seqlens: [N + 1] cumulative document lengths of a packed batch (B must be 1).
+            cu_seqlens: [N + 1] cumulative document lengths over the B·T tokens, row after row;
+                every row must start a document (a multiple of T is always a boundary).
+            positions: [B·T] each token's index in its document, as ``positions_in_documents``
+                gives it; callers that computed it on the host pass it (computing it here
+                reads cu_seqlens on the host, a synchronisation on the GPU). With cu_seqlens only.
 
         Returns:
             logits [B, T, V] and the list of MTP logits [B, T, V].
@@ -165,15 +190,25 @@ class HymoModel(nn.Module):
         B, T = tokens.shape
         if T > self.model_args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.model_args.max_seq_len}")
-        positions = None
+        attn_mask = None
         if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"with cu_seqlens the batch must be packed into B = 1, got B = {B}")
-            positions = positions_in_documents(cu_seqlens, T)
+            if positions is None:
+                positions = positions_in_documents(cu_seqlens, B * T)
+                if B > 1 and bool((positions.view(B, T)[:, 0] != 0).any()):
+                    raise ValueError("cu_seqlens: every row of the batch must start a document")
+            elif positions.shape != (B * T,):
+                raise ValueError(f"positions must be [B·T] = [{B * T}], got {tuple(positions.shape)}")
+            tokens = tokens.reshape(1, B * T)  # the rows as one packed sequence
+            if self.model_args.mla_layers:
+                attn_mask = document_attention_mask(positions)
+        elif positions is not None:
+            raise ValueError("positions are given with cu_seqlens only")
 
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, cu_seqlens, positions)
+            h = layer(h, self.rope_cache, cu_seqlens, positions, attn_mask)
+        if cu_seqlens is not None:
+            h = h.view(B, T, -1)
         head = self.tok_embeddings.weight
         mult = self.logit_multiplier
         if mult == 1.0:

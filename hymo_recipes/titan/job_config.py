@@ -56,6 +56,13 @@ class Hymo:
     """muP (hymo_recipes/mup.py): the base width at which init and lrs were tuned; the model's
     dim is the target. 0 turns muP off, -1 keeps the flavor's (off in every shipped flavor).
     On: per-role init and lr multipliers, MLA softmax scale 1/d, logits × base/dim."""
+    document_masking: bool = False
+    """Each packed training and validation row is split at its documents' starts (its BOS
+    tokens, or the tokens after EOS for a tokenizer without BOS; every row start is one): GDN
+    state and the short conv, attention and RoPE positions restart there, so each document is
+    computed as if it were alone, as at inference. The batch's rows run as one packed sequence
+    (the GDN kernel's varlen path; on the GPU, attention through flex attention with a block
+    mask, on the CPU SDPA with a dense mask). Off: the documents of a row see each other."""
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:
     such a run stops before anything is built, naming the file (a local dataset), or when the

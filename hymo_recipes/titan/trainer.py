@@ -7,7 +7,9 @@ then idles while the host catches up (the forward of a model of many small block
 host-bound). ``HymoTrainer.train_step`` is that method with the copies made from pinned memory
 with ``non_blocking=True``, in stream order, so the host runs ahead; everything else (token
 count, gradient accumulation, clipping, the optimizer and scheduler steps, the logged metrics) is
-TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as before.
+TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as before. With
+``[hymo] document_masking`` each microbatch's document boundaries are added to its inputs on
+the host, before the copy (hymo_recipes/titan/documents.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from hymo_recipes.titan import documents
 from hymo_recipes.titan.api import IGNORE_INDEX, Trainer, dist_utils
 
 
@@ -26,8 +29,12 @@ class HymoTrainer(Trainer):
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
+    _split_documents = False  # not yet looked up
+
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
-        # TorchTitan 0.2.2's Trainer.train_step but for _to_device
+        # TorchTitan 0.2.2's Trainer.train_step but for _to_device and the document boundaries
+        if self._split_documents is False:
+            self._split_documents = documents.splitter(self.job_config, self.tokenizer)
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         parallel_dims = self.parallel_dims
@@ -36,6 +43,8 @@ class HymoTrainer(Trainer):
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
         for _microbatch in range(self.gradient_accumulation_steps):
             input_dict, labels = next(data_iterator)
+            if self._split_documents is not None:
+                input_dict.update(self._split_documents(input_dict["input"]))
             local_valid_tokens += (labels != IGNORE_INDEX).sum()
             microbatches.append((input_dict, labels))
 

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from hymo_recipes.model import HymoModel, count_params, hymo_flavors, training_flops_per_token
+from hymo_recipes.model import model as model_mod
 from hymo_recipes.model.mtp import shift_for_head
 
 
@@ -49,12 +50,70 @@ def test_packed_batch_equals_separate_documents(tiny_model, backend):
                 torch.testing.assert_close(a[:, s:e], b, rtol=1e-5, atol=1e-5)
 
 
+BOS = 1
+
+
+def _rows_with_documents(gen, B, T, starts):
+    """[B, T] random tokens (never BOS) with BOS at the given (row, column) starts."""
+    tokens = torch.randint(2, 97, (B, T), generator=gen)
+    for r, c in starts:
+        tokens[r, c] = BOS
+    return tokens
+
+
+def test_documents_of_marks_row_starts_and_bos_or_after_eos():
+    tokens = torch.tensor([[5, 1, 6, 7, 1], [8, 9, 1, 2, 3]])
+    cu, pos = model_mod.documents_of(tokens, start_id=1)
+    assert cu.tolist() == [0, 1, 4, 5, 7, 10] and cu.dtype == torch.int32
+    assert pos.tolist() == [0, 0, 1, 2, 0, 0, 1, 0, 1, 2]
+    cu, pos = model_mod.documents_of(tokens, end_id=7)  # a document starts after each EOS
+    assert cu.tolist() == [0, 4, 5, 10] and pos.tolist() == [0, 1, 2, 3, 0, 0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="exactly one"):
+        model_mod.documents_of(tokens)
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch_chunk"])
+def test_packed_rows_give_each_document_its_own_logits_and_gradients(tiny_model, backend):
+    """B = 3 rows, documents from BOS tokens (one spans a row end: the packing makes it two);
+    every document's logits and every parameter's gradient equal those of the documents run
+    one by one (fp32); without the boundaries the later documents' logits differ."""
+    model = tiny_model(moe_capacity_factor=0.0, gdn_backend=backend, mtp_depth=1, mtp_loss_weights=(0.3,))
+    gen = torch.Generator().manual_seed(2)
+    B, T = 3, 48
+    tokens = _rows_with_documents(gen, B, T, [(0, 0), (0, 17), (0, 18), (1, 30), (2, 0), (2, 5)])
+    cu, pos = model_mod.documents_of(tokens, start_id=BOS)
+    w = torch.randn(B, T, 97, generator=gen)  # a loss that weighs every logit differently
+    logits, mtp = model(tokens, cu_seqlens=cu, positions=pos)
+    ((logits * w).sum() + (mtp[0] * w).sum()).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    flat_w = w.view(B * T, 97)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        r, c0 = divmod(s, T)
+        doc_logits, doc_mtp = model(tokens[r:r + 1, c0:c0 + e - s])
+        torch.testing.assert_close(logits.view(B * T, -1)[s:e], doc_logits[0].detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mtp[0].view(B * T, -1)[s:e], doc_mtp[0][0].detach(), rtol=1e-5, atol=1e-5)
+        ((doc_logits[0] * flat_w[s:e]).sum() + (doc_mtp[0][0] * flat_w[s:e]).sum()).backward()
+    assert packed_grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        if n in packed_grads:
+            torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+    with torch.no_grad():
+        plain, _ = model(tokens)
+    assert not torch.allclose(plain[0, 17:], logits[0, 17:].detach(), atol=1e-3)
+    torch.testing.assert_close(plain[0, :17], logits[0, :17].detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_forward_rejects_bad_inputs(tiny_model):
     model = tiny_model()
     with pytest.raises(ValueError, match="exceeds max_seq_len 256"):
         model(torch.zeros(1, 257, dtype=torch.long))
-    with pytest.raises(ValueError, match="B = 1"):
+    with pytest.raises(ValueError, match="end at T = 16"):
         model(torch.zeros(2, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="every row of the batch must start a document"):
+        model(torch.zeros(2, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 5, 16]))
+    with pytest.raises(ValueError, match="with cu_seqlens only"):
+        model(torch.zeros(1, 8, dtype=torch.long), positions=torch.arange(8))
 
 
 def test_mtp_heads_leave_main_logits_unchanged(tiny_model):
@@ -257,3 +316,30 @@ def test_debugmodel_trains_and_reports_step_time(capsys):
     with capsys.disabled():
         print(f"\ndebugmodel ({count_params(model, args).stored / 1e6:.2f} M params) fwd+bwd at B=2, T=128 "
               f"on {torch.get_num_threads()} threads: median {sorted(times)[len(times) // 2] * 1e3:.0f} ms")
+
+
+@pytest.mark.gpu
+def test_gpu_packed_rows_give_each_document_its_own_logits_and_gradients(tiny_model):
+    """On the GPU path: the Triton GDN mixer's varlen kernels and the MLA's flex attention with a
+    block mask (no T × T tensor): packed rows against the documents one by one, fp32."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    model = tiny_model(moe_capacity_factor=0.0, gdn_backend="triton").cuda()
+    gen = torch.Generator().manual_seed(2)
+    B, T = 2, 200
+    tokens = _rows_with_documents(gen, B, T, [(0, 0), (0, 70), (0, 71), (1, 150)]).cuda()
+    cu, pos = model_mod.documents_of(tokens, start_id=BOS)
+    assert isinstance(model_mod.document_attention_mask(pos), BlockMask)
+    w = torch.randn(B * T, 97, generator=gen).cuda()
+    logits, _ = model(tokens, cu_seqlens=cu, positions=pos)
+    (logits.view(B * T, -1) * w).sum().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    flat = tokens.view(-1)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone, _ = model(flat[s:e][None])
+        torch.testing.assert_close(logits.view(B * T, -1)[s:e], alone[0].detach(), rtol=2e-3, atol=2e-3)
+        (alone[0] * w[s:e]).sum().backward()
+    for n, p in model.named_parameters():
+        if n in packed:
+            torch.testing.assert_close(packed[n], p.grad, rtol=1e-2, atol=1e-2 * float(p.grad.abs().max()), msg=n)

@@ -1,0 +1,35 @@
+"""Document masking (``[hymo] document_masking``): each batch's document boundaries, from its tokens.
+
+The packing (hymo_recipes/titan/dataloader.py) puts each document between BOS and EOS and cuts
+the stream into rows; a document starts at every BOS token (for a tokenizer without one: after
+every EOS) and at every row start (rows are independent samples). ``splitter`` returns the
+function the train step and the validator call on each batch's input tokens: it adds
+``cu_seqlens`` and ``positions`` to the model's inputs (TorchTitan passes every key of the input
+dict but "input" to the model's forward), computed where the tokens are, so that on the GPU
+path they are made on the host before the copy and the model never reads them back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from hymo_recipes.model.model import documents_of
+
+
+def splitter(job_config, tokenizer) -> Callable[[torch.Tensor], dict[str, torch.Tensor]] | None:
+    """None when document masking is off; else tokens [B, T] -> {"cu_seqlens", "positions"}."""
+    hymo = getattr(job_config, "hymo", None)
+    if hymo is None or not hymo.document_masking:
+        return None
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    if bos is None and eos is None:
+        raise ValueError("[hymo] document_masking needs a tokenizer with a BOS or EOS token to find the "
+                         "documents' starts; this one has neither: set document_masking = false")
+
+    def split(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        cu, positions = documents_of(tokens, start_id=bos) if bos is not None else documents_of(tokens, end_id=eos)
+        return {"cu_seqlens": cu, "positions": positions}
+
+    return split
