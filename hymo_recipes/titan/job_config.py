@@ -63,6 +63,15 @@ class Hymo:
     computed as if it were alone, as at inference. The batch's rows run as one packed sequence
     (the GDN kernel's varlen path; on the GPU, attention through flex attention with a block
     mask, on the CPU SDPA with a dense mask). Off: the documents of a row see each other."""
+    fsdp_sync_once_per_step: bool = False
+    """Gradient accumulation without FSDP's per-microbatch work: on every microbatch of a step
+    but the last, each FSDP unit keeps its gathered parameters after the backward and adds its
+    gradients to an unsharded copy in the reduction dtype instead of reduce-scattering them
+    (FSDP2's set_requires_gradient_sync / set_reshard_after_backward); the last microbatch
+    reduce-scatters the sum and reshards. Costs the unsharded gradients (4 bytes per parameter
+    in fp32) and the gathered parameters for the whole step on every rank. The same sums, added
+    in another order over the ranks (bitwise the same on one rank); no effect without
+    accumulation."""
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:
     such a run stops before anything is built, naming the file (a local dataset), or when the

@@ -9,7 +9,8 @@ with ``non_blocking=True``, in stream order, so the host runs ahead; everything 
 count, gradient accumulation, clipping, the optimizer and scheduler steps, the logged metrics) is
 TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as before. With
 ``[hymo] document_masking`` each microbatch's document boundaries are added to its inputs on
-the host, before the copy (hymo_recipes/titan/documents.py).
+the host, before the copy (hymo_recipes/titan/documents.py). With ``[hymo]
+fsdp_sync_once_per_step`` FSDP reduce-scatters and reshards after a step's last microbatch only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from hymo_recipes.titan import documents
 from hymo_recipes.titan.api import IGNORE_INDEX, Trainer, dist_utils
@@ -30,6 +32,15 @@ class HymoTrainer(Trainer):
         return t.to(self.device)
 
     _split_documents = False  # not yet looked up
+
+    def _sync_gradients(self, last: bool) -> None:
+        """FSDP's reduce-scatter and reshard after this microbatch's backward only if ``last``."""
+        for part in self.model_parts:
+            if not isinstance(part, FSDPModule):
+                raise ValueError("[hymo] fsdp_sync_once_per_step needs the model under FSDP2 (HyMo's "
+                                 "parallelize applies it at every process count)")
+            part.set_requires_gradient_sync(last)
+            part.set_reshard_after_backward(last)
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
         # TorchTitan 0.2.2's Trainer.train_step but for _to_device and the document boundaries
@@ -56,7 +67,10 @@ class HymoTrainer(Trainer):
             global_valid_tokens = local_valid_tokens.float()
 
         accumulated_losses = []
-        for input_dict, labels in microbatches:
+        sync_once = getattr(getattr(self.job_config, "hymo", None), "fsdp_sync_once_per_step", False)
+        for i, (input_dict, labels) in enumerate(microbatches):
+            if sync_once:
+                self._sync_gradients(last=i == len(microbatches) - 1)
             for k, v in input_dict.items():
                 if isinstance(v, torch.Tensor):
                     input_dict[k] = self._to_device(v)

@@ -278,3 +278,16 @@ def test_document_masking_trains_through_the_loop_and_changes_the_losses(referen
     assert any(v != plain["loss_metrics/global_avg_loss"][s] for s, v in losses.items())
     assert set(masked["validation_metrics/loss"]) == set(plain["validation_metrics/loss"])
     assert all(masked["validation_metrics/loss"][s] != v for s, v in plain["validation_metrics/loss"].items())
+
+
+def test_fsdp_sync_once_per_step_changes_no_number_on_one_rank(tmp_path):
+    """Two microbatches per step: with [hymo] fsdp_sync_once_per_step the first microbatch's
+    gradients stay in FSDP's unsharded accumulator and only the last one reduce-scatters; on one
+    rank the sums are the same additions in the same order, so every logged number is bitwise
+    the plain run's (a lost or doubled microbatch would change the loss from step 2 on)."""
+    args = ("--training.steps", "3", "--training.global_batch_size", "8", "--validation.no-enable",
+            "--checkpoint.no-enable", *MOVING_LR)
+    log = run_train(tmp_path / "plain", 1, *args)
+    assert "gradient accumulation steps 2" in log
+    run_train(tmp_path / "once", 1, *args, "--hymo.fsdp_sync_once_per_step")
+    assert_same_training_metrics(read_scalars(tmp_path / "plain"), read_scalars(tmp_path / "once"))
