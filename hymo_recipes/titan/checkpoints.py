@@ -26,7 +26,7 @@ holds) or, in a folder of manifest-carrying steps, without a manifest is skipped
 A folder where no step has a manifest or a marker was written before HyMo wrote manifests: its
 newest step with ``.metadata`` is resumed, with a warning that nothing could be checked.
 ``check_manifest`` compares the manifest with this run (tokenizer, flavor, shape, muP) and every
-file with its size and checksum. Async checkpointing is refused (preflight): its completion is
+file with its size and checksum (each rank of a resuming run reads its share of the files). Async checkpointing is refused (preflight): its completion is
 not seen here.
 
 ``SaveGuard`` installs steps 1-3 on a Trainer, makes TorchTitan load the step ``plan_resume``
@@ -273,10 +273,12 @@ def whole_earlier(plan: ResumePlan) -> list[int]:
             if not _has(os.path.join(folder, f"step-{s}"), MANIFEST) or _sizes_match(os.path.join(folder, f"step-{s}"))]
 
 
-def check_manifest(path: str, config, earlier: list[int], checksums: bool = True) -> None:
+def check_manifest(path: str, config, earlier: list[int], share: tuple[int, int] | None = (0, 1)) -> None:
     """Raises ValueError with one line if the checkpoint in `path` was written for another
-    tokenizer, flavor, shape or muP base width, or if a file it lists is missing, of another size or (with
-    `checksums`) of other bytes."""
+    tokenizer, flavor, shape or muP base width, or if a file it lists is missing, of another size or
+    of other bytes. The bytes are read for the files of ``share`` = (rank, ranks): every
+    ranks-th file of the sorted list from the rank-th on, so that the ranks of a run read the
+    checkpoint once between them, in parallel; None reads none."""
     hint = resume_hint(earlier)
     try:
         with open(os.path.join(path, MANIFEST)) as f:
@@ -310,9 +312,10 @@ def check_manifest(path: str, config, earlier: list[int], checksums: bool = True
         if (size := os.path.getsize(file)) != record["size"]:
             raise ValueError(f"checkpoint {path} is damaged: {name} has {size:,} bytes, its {MANIFEST} says "
                              f"{record['size']:,}; {hint}")
-    if not checksums:
+    if share is None:
         return
-    names = sorted(files)
+    rank, ranks = share
+    names = sorted(files)[rank::ranks]
     with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # zlib drops the GIL
         crcs = dict(zip(names, pool.map(lambda n: file_crc32(os.path.join(path, n)), names)))
     for name in names:

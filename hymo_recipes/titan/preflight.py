@@ -184,8 +184,9 @@ def check_checkpoint_to_load(config) -> None:
         if plan.unchecked:
             check_model_shapes(plan.path, config)
     if not plan.unchecked:
-        # every rank compares identity and sizes; the run's first rank also reads every byte
-        checkpoints.check_manifest(plan.path, config, earlier, checksums=os.environ.get("RANK", "0") == "0")
+        # every rank compares identity and sizes, and reads its share of the files' bytes
+        share = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+        checkpoints.check_manifest(plan.path, config, earlier, share=share)
     if os.path.isfile(os.path.join(plan.path, ".metadata")):
         from hymo_recipes.titan.resume_schedule import check_schedule_continues
 

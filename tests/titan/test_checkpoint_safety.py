@@ -177,6 +177,34 @@ def test_a_shard_overwritten_at_the_same_length_names_itself_and_the_step_before
     _config(dump, "--checkpoint.load_step", "2")  # the step named is whole
 
 
+def test_the_ranks_of_a_resume_read_the_files_between_them(run_dir, monkeypatch):
+    """Each rank reads the bytes of its share of the files (every world-th of the sorted list):
+    an altered file stops the rank whose share holds it, and only that one."""
+    dump, folder = run_dir
+    step = folder / "step-4"
+    files = sorted(json.loads((step / checkpoints.MANIFEST).read_text())["files"])
+    assert len(files) >= 2
+    victim = step / files[1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    config = _config(folder.parent / "elsewhere")  # a config of this run's identity
+    for rank, world, caught in [(0, 2, False), (1, 2, True), (0, 1, True)]:
+        call = lambda: checkpoints.check_manifest(str(step), config, [2], share=(rank, world))
+        if caught:
+            with pytest.raises(ValueError, match=f"step-4 is damaged: {files[1]} does not match its checksum"):
+                call()
+        else:
+            call()
+    checkpoints.check_manifest(str(step), config, [2], share=None)  # sizes and identity only
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=f"damaged: {files[1]} does not match"):
+        _config(dump)
+    monkeypatch.setenv("RANK", "0")
+    _config(dump)  # rank 0's share is whole
+
+
 def test_a_step_without_its_manifest_is_skipped_and_old_checkpoints_still_resume(run_dir, caplog):
     dump, folder = run_dir
     (folder / "step-4" / checkpoints.MANIFEST).unlink()
