@@ -223,7 +223,9 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
 
     gathered = TORCH_DTYPE_MAP[config.training.mixed_precision_param].itemsize
     block = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()), default=0)
-    if reshard_after_forward(config.parallelism.fsdp_reshard_after_forward, dp):
+    hymo = getattr(config, "hymo", None)
+    if reshard_after_forward(config.parallelism.fsdp_reshard_after_forward, dp) and \
+            getattr(hymo, "fsdp_units", "block") == "block":
         # FSDP2 gathers one block ahead (forward and backward prefetch): two blocks at a time
         gather_bytes, gathers = 2 * block * gathered, "all-gathered blocks"
     else:  # every block's gathered copy stays from its forward to its backward

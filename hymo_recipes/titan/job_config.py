@@ -63,6 +63,12 @@ class Hymo:
     computed as if it were alone, as at inference. The batch's rows run as one packed sequence
     (the GDN kernel's varlen path; on the GPU, attention through flex attention with a block
     mask, on the CPU SDPA with a dense mask). Off: the documents of a row see each other."""
+    fsdp_units: str = "block"
+    """Which modules FSDP2 shards as units: "block" (one per block and MTP head, the root keeping
+    the embedding and final norm: each gather and reduce overlaps neighbouring compute) or
+    "model" (the root alone: FSDP's hooks run once per forward and backward instead of once per
+    block, for the host time they take; every parameter gathered at once, every gradient
+    reduced after the backward)."""
     fsdp_sync_once_per_step: bool = False
     """Gradient accumulation without FSDP's per-microbatch work: on every microbatch of a step
     but the last, each FSDP unit keeps its gathered parameters after the backward and adds its

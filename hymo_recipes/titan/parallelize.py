@@ -44,6 +44,13 @@ def check_compile_backend(job_config, gdn_backend: str) -> bool:
     return compile_model
 
 
+# [hymo] fsdp_units: which modules are FSDP units besides the root
+FSDP_UNITS = {
+    "block": "one unit per block and per MTP head, the root keeping the rest",
+    "model": "the root only: one gather before the forward and one reduce after the backward",
+}
+
+
 def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     _check_supported(parallel_dims, job_config)
     # [hymo] gdn_backend is applied by HymoModelArgs.update_from_config; make sure it was.
@@ -78,8 +85,10 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         reshard_after_forward=reshard_after_forward(job_config.parallelism.fsdp_reshard_after_forward,
                                                     mesh.size()),
+        units=hymo.fsdp_units if hymo is not None else "block",
     )
-    logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s), parameters in "
+    logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s) "
+                f"({hymo.fsdp_units if hymo is not None else 'block'} units), parameters in "
                 f"{training.mixed_precision_param}, reduction in "
                 f"{training.mixed_precision_reduce}")
     return model
@@ -124,9 +133,15 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: bool) -> None:
-    """One FSDP2 unit per block and per MTP head; the root unit keeps the embedding (also the
-    tied output head, used at the end of forward) and the final norm.
+               reshard_after_forward: bool, units: str = "block") -> None:
+    """FSDP2 units by ``units`` (FSDP_UNITS). "block": one unit per block and per MTP head; the
+    root unit keeps the embedding (also the tied output head, used at the end of forward) and
+    the final norm; each unit's gather and reduce overlap the neighbouring blocks' compute.
+    "model": the root alone, whose hooks run once per forward and backward instead of once per
+    block; all parameters are gathered at once and kept to the backward, and all gradients
+    reduced at its end (on one rank, where FSDP only casts and copies and keeps the gathered
+    parameters anyway, the same memory but for the unsharded gradients living to the end of
+    the backward).
 
     TorchTitan divides the loss by the global token count itself, so FSDP must sum gradients
     without dividing; forcing plain SUM reductions keeps that on gloo too, which has no
@@ -134,11 +149,14 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
     """
     config = {"mesh": mesh,
               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
-    for block in model.layers.values():
-        fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
-    for head in model.mtp_heads.values():
-        fully_shard(head, **config, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, **config)
+    if units not in FSDP_UNITS:
+        raise ValueError(f"[hymo] fsdp_units = {units!r}: one of {', '.join(FSDP_UNITS)}")
+    if units == "block":
+        for block in model.layers.values():
+            fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
+        for head in model.mtp_heads.values():
+            fully_shard(head, **config, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, **config)  # FSDP2 never reshards the root after its forward
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

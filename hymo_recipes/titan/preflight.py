@@ -57,6 +57,10 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if config.model.name == "hymo":
+        from hymo_recipes.titan.parallelize import FSDP_UNITS
+
+        if (units := getattr(getattr(config, "hymo", None), "fsdp_units", "block")) not in FSDP_UNITS:
+            raise ValueError(f"[hymo] fsdp_units = {units!r}: one of {', '.join(FSDP_UNITS)}")
         from hymo_recipes.model import hymo_flavors
         from hymo_recipes.scheduler import wsd_schedule
         from hymo_recipes.titan.data_checks import check_data, dp_degree

@@ -264,3 +264,7 @@ def test_check_mode_passes_the_750m_config_on_a_cpu_in_little_memory(tmp_path):
     env["NGPU"] = "3"  # 128 sequences do not split over 3 ranks of 8
     proc = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "is not a multiple of training.local_batch_size 8 × 3 data-parallel" in proc.stderr
+
+
+def test_unknown_fsdp_units_is_one_line_before_the_model():
+    assert "[hymo] fsdp_units = 'layer': one of block, model" in one_line_error("--hymo.fsdp_units", "layer")
