@@ -49,7 +49,7 @@ from hymo_kernels.gdn.mixer_torch import l2_normalize, short_causal_conv
 from hymo_kernels.gdn.recurrent_torch import gated_delta_rule_step
 
 from .gdn import GatedDeltaNet
-from .mla import MLA, apply_rope, precompute_rope_cache
+from .mla import MLA, apply_rope, document_attention_mask, precompute_rope_cache
 from .model import GDNBlock, HymoModel, positions_in_documents
 from .moe import MoE
 
@@ -193,10 +193,11 @@ def _latent(attn: MLA, x: torch.Tensor, rope: torch.Tensor,
 
 
 def mla_prefill(attn: MLA, x: torch.Tensor, rope: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor,
-                capacity: int) -> tuple[torch.Tensor, MLALayerCache]:
+                capacity: int, attn_mask=None) -> tuple[torch.Tensor, MLALayerCache]:
     """The MLA mixer on packed prompts x [1, T, dim] (the training attention with document
-    masking) -> (output [1, T, dim], the latent cache with room for ``capacity`` tokens)."""
-    out = attn(x, rope, positions)
+    masking; ``attn_mask``: ``document_attention_mask(positions)``, shared by the layers) ->
+    (output [1, T, dim], the latent cache with room for ``capacity`` tokens)."""
+    out = attn(x, rope, positions, attn_mask)
     kv, k_rope = _latent(attn, x[0], rope, positions)
     lengths = cu_seqlens.diff()
     N = lengths.numel()
@@ -304,6 +305,8 @@ class HymoDecoder:
         rope = self.rope(capacity)
 
         cache = DecodeCache(lengths=lengths.clone(), max_length=longest)
+        # attention within each prompt: a block mask on the GPU (no T x T tensor), dense elsewhere
+        attn_mask = document_attention_mask(positions) if model.model_args.mla_layers else None
         h = model.tok_embeddings(tokens)
         for name, layer in model.layers.items():
             if isinstance(layer, GDNBlock):
@@ -312,7 +315,8 @@ class HymoDecoder:
                 if layer.feed_forward is not None:
                     h = h + layer.feed_forward(layer.ffn_norm(h))
             else:
-                out, cache.layers[name] = mla_prefill(layer.attn, layer.attn_norm(h), rope, cu, positions, capacity)
+                out, cache.layers[name] = mla_prefill(layer.attn, layer.attn_norm(h), rope, cu, positions, capacity,
+                                                      attn_mask)
                 h = h + out
                 h = h + dropless_moe(layer.moe, layer.ffn_norm(h))
         if all_logits:
