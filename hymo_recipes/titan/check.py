@@ -122,7 +122,9 @@ def _probe_copy(module, dtype, memo=None):
 
     from hymo_recipes.model.moe import GroupedExperts
 
-    m = copy.deepcopy(module, memo)
+    # to_empty: a meta model's copy on the meta device whatever the copy did (after some
+    # torch.compile traces in the same process, a deepcopy of meta parameters comes back on the CPU)
+    m = copy.deepcopy(module, memo).to_empty(device="meta")
     for p in m.parameters():
         p.data = p.data.to(dtype)
     for sub in m.modules():
@@ -176,6 +178,7 @@ def activation_bytes(model, config) -> dict:
     dtype = TORCH_DTYPE_MAP[t.mixed_precision_param]
     B, T, D = t.local_batch_size, t.seq_len, model.model_args.dim
     base = _storage_keys(model)
+    rope = model.rope_cache.to("meta")
     kinds, order = {}, []
     with _gpu_kernels():
         for block in model.layers.values():
@@ -186,7 +189,7 @@ def activation_bytes(model, config) -> dict:
                 continue
             probe = _probe_copy(block, dtype)
             x = torch.empty(B, T, D, device="meta", dtype=dtype, requires_grad=True)
-            saved = _saved_bytes(lambda: probe(x, model.rope_cache), base | _storage_keys(probe))
+            saved = _saved_bytes(lambda: probe(x, rope), base | _storage_keys(probe))
             kinds[kind] = [1, saved]
         # the root without its blocks: embedding (saves the token ids), final norm, MTP heads, tied head
         head = _probe_copy(model, dtype, memo={id(model.layers): torch.nn.ModuleDict()})
