@@ -206,7 +206,8 @@ class HymoModel(nn.Module):
 
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, cu_seqlens, positions, attn_mask)
+            # the mask goes to the attention blocks only (a compiled GDN block never traces it)
+            h = layer(h, self.rope_cache, cu_seqlens, positions, attn_mask if isinstance(layer, MLABlock) else None)
         if cu_seqlens is not None:
             h = h.view(B, T, -1)
         head = self.tok_embeddings.weight
