@@ -280,33 +280,28 @@ def test_document_masking_trains_through_the_loop_and_changes_the_losses(referen
     assert all(masked["validation_metrics/loss"][s] != v for s, v in plain["validation_metrics/loss"].items())
 
 
-def test_fsdp_sync_once_per_step_changes_no_number_on_one_rank(tmp_path):
-    """Two microbatches per step: with [hymo] fsdp_sync_once_per_step the first microbatch's
+def test_fsdp_knobs_on_one_rank(tmp_path):
+    """Two microbatches per step. With [hymo] fsdp_sync_once_per_step the first microbatch's
     gradients stay in FSDP's unsharded accumulator and only the last one reduce-scatters; on one
     rank the sums are the same additions in the same order, so every logged number is bitwise
-    the plain run's (a lost or doubled microbatch would change the loss from step 2 on)."""
+    the plain run's (a lost or doubled microbatch would change the loss from step 2 on).
+    With fsdp_units = "model" as well (the root alone, for FSDP's per-block host work): the same
+    casts, sums and copies; only the order in which autograd adds the tied embedding's gradient
+    from its uses may change (FSDP's hooks sit elsewhere in the graph), so every logged loss,
+    norm and lr agrees to float32 rounding (the MoE loads count discrete routing choices, which
+    such rounding may flip)."""
     args = ("--training.steps", "3", "--training.global_batch_size", "8", "--validation.no-enable",
             "--checkpoint.no-enable", *MOVING_LR)
     log = run_train(tmp_path / "plain", 1, *args)
-    assert "gradient accumulation steps 2" in log
+    assert "gradient accumulation steps 2" in log and "(block units)" in log
+    plain = read_scalars(tmp_path / "plain")
     run_train(tmp_path / "once", 1, *args, "--hymo.fsdp_sync_once_per_step")
-    assert_same_training_metrics(read_scalars(tmp_path / "plain"), read_scalars(tmp_path / "once"))
-
-
-def test_one_fsdp_unit_for_the_model_trains_as_the_per_block_units_on_one_rank(tmp_path):
-    """[hymo] fsdp_units = "model" (the root alone, for FSDP's per-block host work), with
-    fsdp_sync_once_per_step: on one rank the same casts, sums and copies; only the order in
-    which autograd adds the tied embedding's gradient from its uses may change (FSDP's hooks
-    sit elsewhere in the graph), so every logged loss, norm and lr agrees to float32 rounding (the
-    MoE loads are counts of discrete routing choices, which such rounding may flip)."""
-    args = ("--training.steps", "3", "--training.global_batch_size", "8", "--validation.no-enable",
-            "--checkpoint.no-enable", *MOVING_LR)
-    run_train(tmp_path / "block", 1, *args)
+    assert_same_training_metrics(plain, read_scalars(tmp_path / "once"))
     log = run_train(tmp_path / "model", 1, *args, "--hymo.fsdp_units", "model", "--hymo.fsdp_sync_once_per_step")
     assert "(model units)" in log
-    a, b = read_scalars(tmp_path / "block"), read_scalars(tmp_path / "model")
-    assert REQUIRED_TAGS <= b.keys()
+    model = read_scalars(tmp_path / "model")
+    assert REQUIRED_TAGS <= model.keys()
     for tag in {t for t in REQUIRED_TAGS - TIMING_TAGS if not t.startswith("moe/")}:
-        assert a[tag].keys() == b[tag].keys(), tag
-        for step, value in a[tag].items():
-            assert math.isclose(value, b[tag][step], rel_tol=1e-4, abs_tol=1e-6), (tag, step, value, b[tag][step])
+        assert plain[tag].keys() == model[tag].keys(), tag
+        for step, value in plain[tag].items():
+            assert math.isclose(value, model[tag][step], rel_tol=1e-4, abs_tol=1e-6), (tag, step, value, model[tag][step])
