@@ -205,9 +205,12 @@ class HymoModel(nn.Module):
             raise ValueError("positions are given with cu_seqlens only")
 
         h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            # the mask goes to the attention blocks only (a compiled GDN block never traces it)
-            h = layer(h, self.rope_cache, cu_seqlens, positions, attn_mask if isinstance(layer, MLABlock) else None)
+        mla_layers = self.model_args.mla_layers
+        for layer_id, layer in self.layers.items():
+            # the mask goes to the attention blocks only (a compiled GDN block never traces it),
+            # chosen by index: compile and AC wrap the blocks, so their class is not MLABlock
+            mask = attn_mask if int(layer_id) in mla_layers else None
+            h = layer(h, self.rope_cache, cu_seqlens, positions, mask)
         if cu_seqlens is not None:
             h = h.view(B, T, -1)
         head = self.tok_embeddings.weight

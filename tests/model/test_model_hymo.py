@@ -318,6 +318,29 @@ def test_debugmodel_trains_and_reports_step_time(capsys):
               f"on {torch.get_num_threads()} threads: median {sorted(times)[len(times) // 2] * 1e3:.0f} ms")
 
 
+@pytest.mark.parametrize("wrap", ["checkpoint", "compile"])
+def test_wrapped_attention_blocks_get_the_models_document_mask(tiny_model, monkeypatch, wrap):
+    """AC and torch.compile wrap the blocks (the class seen is no longer MLABlock): the attention
+    blocks must still get the model's one document mask, not build a dense one each."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from hymo_recipes.model import mla
+
+    model = tiny_model(moe_capacity_factor=0.0, gdn_backend="naive", n_layers=8, mla_layers=(3, 7))
+    assert len(model.model_args.mla_layers) >= 2
+    for layer_id, block in list(model.layers.items()):
+        wrapped = checkpoint_wrapper(block) if wrap == "checkpoint" else torch.compile(block, backend="eager")
+        model.layers.register_module(layer_id, wrapped)
+    built = []
+    dense = mla.document_causal_mask
+    monkeypatch.setattr(mla, "document_causal_mask", lambda positions: built.append(1) or dense(positions))
+    tokens = _rows_with_documents(torch.Generator().manual_seed(3), 2, 24, [(0, 9), (1, 5)])
+    cu, pos = model_mod.documents_of(tokens, start_id=BOS)
+    with torch.no_grad():
+        model(tokens, cu_seqlens=cu, positions=pos)
+    assert len(built) == 1  # document_attention_mask's, on the CPU; none inside the blocks
+
+
 @pytest.mark.gpu
 def test_gpu_packed_rows_give_each_document_its_own_logits_and_gradients(tiny_model):
     """On the GPU path: the Triton GDN mixer's varlen kernels and the MLA's flex attention with a
