@@ -12,9 +12,11 @@ with γ the in-chunk inclusive cumsum of g and Γ[r, i] = exp(γ_r − γ_i)::
     O     = scale · ((Q ⊙ e^γ) S + (Q Kᵀ ⊙ Γ ⊙ causal) V_new)
     S     ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ V_new
 
-Ragged inputs (T not a multiple of C, or packed documents) are padded with tokens that have
-k = v = 0, β = 0 and g = 0: such a token neither writes to nor decays the state, so padding
-changes nothing and every document runs as one row of a padded batch.
+Ragged inputs are padded with tokens that have k = v = 0, β = 0 and g = 0: such a token
+neither writes to nor decays the state, so padding changes nothing. Rows of T tokens are padded
+to a whole number of chunks; packed documents (cu_seqlens) are laid end to end in one row, each
+padded to a whole number of chunks, and the state restarts (from the document's initial state)
+at each document's first chunk, so the work is the tokens' plus under one chunk per document.
 
 The backward is hand-written (``_chunk_rows_backward``: DESIGN.md's "Backward" with the
 sub-chunk c = C): a reverse pass over the chunk ends' state gradients that carries one K×V
@@ -25,6 +27,7 @@ float64 recurrence.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .naive import check_gdn_inputs, sequence_spans
 
@@ -68,7 +71,7 @@ def chunk_gated_delta_rule_torch(
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] (float32, float64 for
         float64 inputs) or None.
     """
-    n = check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T, H, K = q.shape
@@ -76,28 +79,33 @@ def chunk_gated_delta_rule_torch(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     C = chunk_size
 
-    spans = sequence_spans(B, T, cu_seqlens)
-    longest = max([0] + [end - start for _, start, end in spans])
-    L = max(C, -(-longest // C) * C)  # padded length: a whole number of chunks
+    if cu_seqlens is None:
+        L = max(C, -(-T // C) * C)  # padded length: a whole number of chunks
+        layout = None
 
-    # [N, L, H, *]: one row per sequence, zero-padded at the end
-    def rows(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(acc)
-        if cu_seqlens is None and T == L:
-            return x
-        out = x.new_zeros(n, L, *x.shape[2:])
-        for i, (b, start, end) in enumerate(spans):
-            out[i, : end - start] = x[b, start:end]
-        return out
+        def rows(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, *], zero-padded at the end
+            x = x.to(acc)
+            return x if T == L else F.pad(x, (0, 0) * (x.dim() - 2) + (0, L - T))
+    else:
+        spans = sequence_spans(B, T, cu_seqlens)
+        n_chunks = [-(-(end - start) // C) for _, start, end in spans]
+        first = [0]
+        for c in n_chunks[:-1]:
+            first.append(first[-1] + c)
+        layout = (first, n_chunks)  # per document: its first chunk and its number of chunks
+        # token t of document d (starting at s_d) goes to position C·first_d + t − s_d of the row
+        lengths = cu_seqlens.diff().to(torch.long)
+        shift = torch.tensor(first, device=q.device) * C - cu_seqlens[:-1].to(device=q.device, dtype=torch.long)
+        dest = torch.arange(T, device=q.device) + shift.repeat_interleave(lengths.to(q.device), output_size=T)
+        P = max(C, C * sum(n_chunks))
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # [1, P, H, *]: the documents end to end
+            return x.new_zeros((1, P) + x.shape[2:], dtype=acc).index_copy(1, dest, x.to(acc))
 
     qr, kr, vr, gr, br = (rows(x) for x in (q, k, v, g, beta))
     h0 = None if initial_state is None else initial_state.to(acc)
-    o, h = _ChunkRowsFn.apply(qr, kr, vr, gr, br, h0, scale, C)
-
-    if cu_seqlens is None:
-        o = o[:, :T]
-    else:
-        o = torch.cat([o[i, : end - start] for i, (_, start, end) in enumerate(spans)])[None]
+    o, h = _ChunkRowsFn.apply(qr, kr, vr, gr, br, h0, scale, C, layout)
+    o = o[:, :T] if cu_seqlens is None else o[:, dest]
     return o.to(v.dtype), (h if output_final_state else None)
 
 
@@ -143,19 +151,48 @@ class _Chunks:
         return x.permute(0, 2, 3, 1, 4).reshape(N, nc * C, H, D)
 
 
-def _chunk_rows(q, k, v, g, beta, scale, h0, C):
+def _segments(layout):
+    """{first chunk: document} and {last chunk: document} of a one-row layout of documents
+    (empty documents own no chunk); both empty for plain rows (``layout`` None)."""
+    if layout is None:
+        return {}, {}
+    first, n_chunks = layout
+    starts = {f: d for d, (f, n) in enumerate(zip(first, n_chunks)) if n}
+    ends = {f + n - 1: d for d, (f, n) in enumerate(zip(first, n_chunks)) if n}
+    return starts, ends
+
+
+def _per_sequence(x: torch.Tensor | None, layout, zero: torch.Tensor) -> list[torch.Tensor]:
+    """One [1, H, K, V] state per document of the layout: x's rows, or zeros when x is None."""
+    return [zero if x is None else x[d : d + 1] for d in range(len(layout[0]))]
+
+
+def _chunk_rows(q, k, v, g, beta, scale, h0, C, layout=None):
     """The chunked recurrence on [N, L, H, *] rows with L a multiple of C; returns (o, S_final,
-    per-chunk start states [N, H, nc, K, V], the chunk tensors)."""
+    per-chunk start states [N, H, nc, K, V], the chunk tensors). With a ``layout`` (documents
+    end to end in one row, see chunk_gated_delta_rule_torch) the state restarts at each
+    document's first chunk from its initial state and S_final holds each document's last state."""
     ch = _Chunks(q, k, v, g, beta, scale, C)
     N, H, nc = ch.gam.shape[:3]
-    s = q.new_zeros(N, H, q.shape[-1], v.shape[-1]) if h0 is None else h0
+    zero = q.new_zeros(N, H, q.shape[-1], v.shape[-1])
+    s = zero if h0 is None or layout is not None else h0
+    doc_starts, doc_ends = _segments(layout)
+    if layout is not None:
+        init = _per_sequence(h0, layout, zero)
+        finals = list(init)  # an empty document ends in its initial state
     outs, starts = [], []
     # the only sequential part: nc state hand-offs between chunks
     for c in range(nc):
+        if c in doc_starts:
+            s = init[doc_starts[c]]
         starts.append(s)
         v_new = ch.u[:, :, c] - ch.w[:, :, c] @ s
         outs.append(ch.q_decayed[:, :, c] @ s + ch.p[:, :, c] @ v_new)
         s = s * ch.g_end[:, :, c, None, None] + ch.k_to_end[:, :, c].transpose(-1, -2) @ v_new
+        if c in doc_ends:
+            finals[doc_ends[c]] = s
+    if layout is not None:
+        s = torch.cat(finals)
     return ch.rows(torch.stack(outs, dim=2)), s, torch.stack(starts, dim=2), ch
 
 
@@ -163,7 +200,7 @@ def _transpose(x):
     return x.transpose(-1, -2)
 
 
-def _chunk_rows_backward(ch: _Chunks, scale, starts, do, dht):
+def _chunk_rows_backward(ch: _Chunks, scale, starts, do, dht, layout=None):
     """Hand-written backward of _chunk_rows (DESIGN.md, "Backward", with the sub-chunk c = C):
     gradients of q, k, v, g, beta and the initial state from those of o and the final state.
     In three steps: the state-free chunk tensors (in parallel), the reverse pass over the chunk
@@ -174,14 +211,25 @@ def _chunk_rows_backward(ch: _Chunks, scale, starts, do, dht):
     s = starts  # [N, H, nc, K, V]
     v_new = ch.u - ch.w @ s
     # reverse pass: dS' of every chunk (the gradient of its end state)
+    # (with a layout: a document's last chunk hands its state to nobody but its final state, and
+    # its first chunk's start-state gradient is that of the document's initial state)
     ds_end = torch.empty_like(s)
-    ds = torch.zeros_like(s[:, :, 0]) if dht is None else dht
+    zero = torch.zeros_like(s[:, :, 0])
+    doc_starts, doc_ends = _segments(layout)
+    if layout is not None:
+        d_final = _per_sequence(dht, layout, zero)
+        d_init = list(d_final)  # an empty document passes its final state's gradient through
+    ds = zero if dht is None or layout is not None else dht
     for c in reversed(range(nc)):
+        if c in doc_ends:
+            ds = d_final[doc_ends[c]]
         ds_end[:, :, c] = ds
         dvn = ch.p[:, :, c].transpose(-1, -2) @ do[:, :, c] + ch.k_to_end[:, :, c] @ ds
         ds = (ch.q_decayed[:, :, c].transpose(-1, -2) @ do[:, :, c] + ch.g_end[:, :, c, None, None] * ds
               - ch.w[:, :, c].transpose(-1, -2) @ dvn)
-    dh0 = ds
+        if c in doc_starts:
+            d_init[doc_starts[c]] = ds
+    dh0 = ds if layout is None else torch.cat(d_init)
     # every chunk in parallel
     mT = _transpose
     dvn = mT(ch.p) @ do + ch.k_to_end @ ds_end
@@ -213,11 +261,11 @@ class _ChunkRowsFn(torch.autograd.Function):
     autograd would) instead of recomputing them: recomputing made the CPU backward 2x slower."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, C):
-        o, s, starts, ch = _chunk_rows(q, k, v, g, beta, scale, h0, C)
+    def forward(ctx, q, k, v, g, beta, h0, scale, C, layout):
+        o, s, starts, ch = _chunk_rows(q, k, v, g, beta, scale, h0, C, layout)
         ctx.save_for_backward(starts)
         # tensors made here from the inputs, referenced nowhere else: nothing can modify them
-        ctx.chunks, ctx.scale, ctx.has_h0 = ch, scale, h0 is not None
+        ctx.chunks, ctx.scale, ctx.has_h0, ctx.layout = ch, scale, h0 is not None, layout
         ctx.set_materialize_grads(False)
         return o, s
 
@@ -228,5 +276,5 @@ class _ChunkRowsFn(torch.autograd.Function):
         if do is None:
             N, H, nc, C, V = ch.v.shape
             do = ch.v.new_zeros(N, nc * C, H, V)
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_rows_backward(ch, ctx.scale, starts, do, dht)
-        return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_rows_backward(ch, ctx.scale, starts, do, dht, ctx.layout)
+        return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None

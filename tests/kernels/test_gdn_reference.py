@@ -96,10 +96,11 @@ def test_other_chunk_sizes_match_fp64(chunk_size):
 VARLEN = [
     [0, 5, 70, 70, 71, 130],  # short, crossing a chunk boundary, empty, single token, tail
     [0, 64, 128],  # documents aligned with chunks
+    [0, 0, 3, 67, 67],  # empty first and last documents, one ending a chunk past a boundary
 ]
 
 
-@pytest.mark.parametrize("bounds", VARLEN, ids=["ragged", "aligned"])
+@pytest.mark.parametrize("bounds", VARLEN, ids=["ragged", "aligned", "empty_ends"])
 def test_varlen_matches_fp64_recurrence(bounds):
     cu = torch.tensor(bounds)
     inputs, cot = make_inputs(1, bounds[-1], 2, 16, 8, n_states=len(bounds) - 1, seed=len(bounds))
