@@ -56,13 +56,14 @@ class Hymo:
     """muP (hymo_recipes/mup.py): the base width at which init and lrs were tuned; the model's
     dim is the target. 0 turns muP off, -1 keeps the flavor's (off in every shipped flavor).
     On: per-role init and lr multipliers, MLA softmax scale 1/d, logits × base/dim."""
-    document_masking: bool = False
-    """Each packed training and validation row is split at its documents' starts (its BOS
+    document_masking: bool = True
+    """On by default. Each packed training and validation row is split at its documents' starts (its BOS
     tokens, or the tokens after EOS for a tokenizer without BOS; every row start is one): GDN
     state and the short conv, attention and RoPE positions restart there, so each document is
     computed as if it were alone, as at inference. The batch's rows run as one packed sequence
     (the GDN kernel's varlen path; on the GPU, attention through flex attention with a block
-    mask, on the CPU SDPA with a dense mask). Off: the documents of a row see each other."""
+    mask, on the CPU SDPA with a dense mask). Off (``--hymo.no-document_masking``): the
+    documents of a row see each other."""
     fsdp_units: str = "block"
     """Which modules FSDP2 shards as units: "block" (one per block and MTP head, the root keeping
     the embedding and final norm: each gather and reduce overlaps neighbouring compute) or
