@@ -64,6 +64,11 @@ class Hymo:
     (the GDN kernel's varlen path; on the GPU, attention through flex attention with a block
     mask, on the CPU SDPA with a dense mask). Off (``--hymo.no-document_masking``): the
     documents of a row see each other."""
+    validation_document_masking: str = "auto"
+    """Whether the held-out loss computes each document alone: "auto" (as document_masking),
+    "on" (each document alone, as at inference, however the model was trained) or "off" (the
+    packed rows as they are). "on" puts runs trained with and without document masking on the
+    same held-out measure."""
     fsdp_units: str = "block"
     """Which modules FSDP2 shards as units: "block" (one per block and MTP head, the root keeping
     the embedding and final norm: each gather and reduce overlaps neighbouring compute) or

@@ -61,6 +61,9 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
 
         if (units := getattr(getattr(config, "hymo", None), "fsdp_units", "block")) not in FSDP_UNITS:
             raise ValueError(f"[hymo] fsdp_units = {units!r}: one of {', '.join(FSDP_UNITS)}")
+        from hymo_recipes.titan.documents import masked
+
+        masked(config, validation=True)  # a bad validation_document_masking, in one line
         from hymo_recipes.model import hymo_flavors
         from hymo_recipes.scheduler import wsd_schedule
         from hymo_recipes.titan.data_checks import check_data, dp_degree

@@ -6,8 +6,9 @@
   that they never reach the balancing bias (the bias, and an exact resume, depend on training
   batches only).
 - HyMo's forward takes no attention masks; TorchTitan's Validator asks every model for them.
-  With ``[hymo] document_masking`` the batch's document boundaries go to the model instead, as
-  in training (hymo_recipes/titan/documents.py), so the held-out loss is computed per document.
+  With ``[hymo] document_masking`` (or ``validation_document_masking = "on"``) the batch's
+  document boundaries go to the model instead, as in training (hymo_recipes/titan/documents.py),
+  so the held-out loss is computed per document.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hymo_recipes.titan.step_hooks import moe_modules
 class HymoValidator(Validator):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._split_documents = documents.splitter(self.job_config, self.tokenizer)
+        self._split_documents = documents.splitter(self.job_config, self.tokenizer, validation=True)
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         inputs = input_dict["input"]

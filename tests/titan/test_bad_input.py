@@ -268,3 +268,8 @@ def test_check_mode_passes_the_750m_config_on_a_cpu_in_little_memory(tmp_path):
 
 def test_unknown_fsdp_units_is_one_line_before_the_model():
     assert "[hymo] fsdp_units = 'layer': one of block, model" in one_line_error("--hymo.fsdp_units", "layer")
+
+
+def test_unknown_validation_document_masking_is_one_line_before_the_model():
+    assert ("[hymo] validation_document_masking = 'yes': one of auto, on, off"
+            in one_line_error("--hymo.validation_document_masking", "yes"))

@@ -83,6 +83,20 @@ def test_boundaries_from_eos_when_the_tokenizer_has_no_bos(tokenizer):
     assert torch.equal(from_bos["positions"], from_eos["positions"])
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_validation_follows_training_unless_told(tokenizer, training):
+    def config(mode):
+        return SimpleNamespace(hymo=SimpleNamespace(document_masking=training, validation_document_masking=mode))
+
+    assert (documents.splitter(config("auto"), tokenizer) is None) == (not training)
+    assert (documents.splitter(config("auto"), tokenizer, validation=True) is None) == (not training)
+    assert documents.splitter(config("on"), tokenizer, validation=True) is not None
+    assert documents.splitter(config("off"), tokenizer, validation=True) is None
+    assert (documents.splitter(config("off"), tokenizer) is None) == (not training)  # training unaffected
+    with pytest.raises(ValueError, match="validation_document_masking = 'yes': one of auto, on, off"):
+        documents.splitter(config("yes"), tokenizer, validation=True)
+
+
 def test_splitter_off_and_a_tokenizer_without_bos_or_eos(tokenizer):
     assert documents.splitter(SimpleNamespace(hymo=SimpleNamespace(document_masking=False)), tokenizer) is None
     with pytest.raises(ValueError, match="neither: set document_masking = false"):
