@@ -19,7 +19,8 @@ The cache, per layer (``DecodeCache``):
 - GDN: the recurrent state S [B, H, K, V] in fp32 (as the kernels keep it) and the short conv's
   last W − 1 *inputs* (the q/k/v projections before the conv) [B, W − 1, Cq + Ck + Cv], zeros
   before a sequence's start (the training conv's zero padding). A step is the conv from those
-  inputs, SiLU, the L2 norms, one recurrent step (``hymo_kernels.gdn.recurrent_torch``), the
+  inputs, SiLU, the L2 norms, one recurrent step (``hymo_kernels.gdn.recurrent_torch``; with
+  the Triton backend all of these one fused kernel, ``hymo_kernels.gdn.recurrent``), the
   gated norm and o_proj: its cost does not depend on the context length.
 - MLA: per token, the *normalised* latent ``kv_norm(c_kv)`` [B, L, kv_lora_rank] (the norm is
   per token, so it is applied once, at write time) and the *rotated* shared rope key
@@ -154,13 +155,23 @@ def gdn_prefill(attn: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch.Tensor,
     idx = cu_seqlens[1:, None] - back[None, :]  # [N, W - 1]
     valid = idx >= cu_seqlens[:-1, None]
     conv = inputs[idx.clamp(min=0)] * valid[..., None].to(inputs.dtype)
-    return out, GDNLayerCache(state=state.float(), conv=conv)
+    return out, GDNLayerCache(state=state.float().contiguous(), conv=conv)
 
 
 def gdn_step(attn: GatedDeltaNet, x: torch.Tensor, cache: GDNLayerCache) -> torch.Tensor:
-    """One token per sequence: x [B, dim] -> [B, dim]; updates ``cache`` (state and conv inputs)."""
+    """One token per sequence: x [B, dim] -> [B, dim]; updates ``cache`` (state and conv inputs).
+    With the fused Triton mixer (gdn_backend "triton"), conv, norms and recurrence are one
+    kernel that updates the cache in place (hymo_kernels.gdn.recurrent)."""
     B = x.shape[0]
     xs = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)  # [B, C]
+    if attn.fused:
+        from hymo_kernels.gdn.recurrent import gdn_decode_step
+
+        beta, g = attn._gates(x)
+        o = gdn_decode_step(xs, cache.conv, _conv_weights(attn), g, beta, cache.state, attn.head_dim,
+                            attn.v_head_dim)
+        gate = attn.g_proj(x).view(B, -1, attn.v_head_dim)
+        return attn.o_proj(attn.o_norm(o, gate).reshape(B, -1))
     window = torch.cat([cache.conv, xs[:, None]], dim=1)  # [B, W, C], the current token last
     w = _conv_weights(attn).to(xs.dtype)  # [C, W]; w[:, W-1] multiplies the current token
     W = w.shape[-1]

@@ -173,6 +173,19 @@ def test_tiny_cached_logits_equal_forward(tiny_args, overrides):
     _check_decoding(_model(tiny_args(**overrides)), (4, 9, 2), n_steps=5)
 
 
+def test_triton_backend_decodes_through_the_fused_step(tiny_args, monkeypatch):
+    """gdn_backend "triton" (Triton's interpreter on CPU): the steps run the fused decode kernel
+    (conv, norms and recurrence in one launch per GDN layer) and still equal the forward."""
+    from hymo_kernels.gdn import recurrent
+
+    calls = []
+    fused = recurrent.gdn_decode_step
+    monkeypatch.setattr(recurrent, "gdn_decode_step", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    args = tiny_args(gdn_backend="triton")
+    _check_decoding(_model(args), (3, 6), n_steps=2)
+    assert len(calls) == 2 * len(args.gdn_layers)
+
+
 @pytest.mark.gpu
 def test_gpu_cached_logits_equal_forward(tiny_args):
     """The GPU path: the Triton GDN kernels' prefill, the prompts' attention through flex
