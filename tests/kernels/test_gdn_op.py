@@ -211,3 +211,23 @@ def _compile_matches_eager(precisions):
     torch.testing.assert_close(loss_c, loss_e)
     for a, b in zip(comp, eager):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_varlen_tables_are_built_once_per_packed_batch():
+    """The per-chunk tables of a packed batch are reused while the same, unmodified cu_seqlens
+    tensor comes back (every layer and backward of one batch); another tensor or an in-place
+    change rebuilds them, and the reused ones equal a fresh build."""
+    from hymo_kernels.gdn import problem
+
+    cu = torch.tensor([0, 5, 70, 71, 130], dtype=torch.int32, device=DEVICE)
+    NC, BT = problem._num_chunks(1, 130, 4, True, 64), 64
+    first = problem._varlen_tables(cu, NC, BT)
+    assert problem._varlen_tables(cu, NC, BT) is first
+    fresh = problem._build_varlen_tables(cu, NC, BT)
+    assert all(torch.equal(a, b) for a, b in zip(first, fresh))
+    other = problem._varlen_tables(cu.clone(), NC, BT)
+    assert other is not first and all(torch.equal(a, b) for a, b in zip(other, fresh))
+    cu[1] = 6  # in place: the version changes
+    moved = problem._varlen_tables(cu, NC, BT)
+    assert moved is not first and not torch.equal(moved[0], fresh[0])
+    assert all(torch.equal(a, b) for a, b in zip(moved, problem._build_varlen_tables(cu, NC, BT)))
