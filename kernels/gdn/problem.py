@@ -21,9 +21,9 @@ def _num_chunks(B: int, T: int, N: int, varlen: bool, BT: int):
 
 
 # The last packed batch's tables: every GDN layer of a forward, and their backwards, get the
-# same cu_seqlens tensor, so the ~20 small device ops that build the tables (about a millisecond
-# of host time) run once per batch instead of once per layer and pass. The entry holds the
-# tensor itself, so its storage cannot be reused while the entry matches it by identity.
+# same cu_seqlens tensor, so the ~20 small device ops that build the tables (host time on a
+# host-bound forward) run once per batch instead of once per layer and pass. The entry holds
+# the tensor itself, so its storage cannot be reused while the entry matches it by identity.
 _last_tables: list = [None]
 
 
