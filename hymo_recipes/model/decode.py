@@ -160,11 +160,11 @@ def gdn_prefill(attn: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch.Tensor,
 
 def gdn_step(attn: GatedDeltaNet, x: torch.Tensor, cache: GDNLayerCache) -> torch.Tensor:
     """One token per sequence: x [B, dim] -> [B, dim]; updates ``cache`` (state and conv inputs).
-    With the fused Triton mixer (gdn_backend "triton"), conv, norms and recurrence are one
-    kernel that updates the cache in place (hymo_kernels.gdn.recurrent)."""
+    With the fused Triton mixer (gdn_backend "triton") and a conv size of 2-4, conv, norms and
+    recurrence are one kernel that updates the cache in place (hymo_kernels.gdn.recurrent)."""
     B = x.shape[0]
     xs = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)  # [B, C]
-    if attn.fused:
+    if attn.fused and 2 <= attn.q_conv1d.weight.shape[-1] <= 4:  # the fused step's conv sizes
         from hymo_kernels.gdn.recurrent import gdn_decode_step
 
         beta, g = attn._gates(x)

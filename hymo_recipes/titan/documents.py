@@ -43,8 +43,9 @@ def splitter(job_config, tokenizer, validation: bool = False) -> Callable[[torch
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
     if bos is None and eos is None:
         raise ValueError("[hymo] document_masking needs a tokenizer with a BOS or EOS token to find the "
-                         "documents' starts; this one has neither: set document_masking = false "
-                         "(and validation_document_masking = \"off\" if it is \"on\")")
+                         "documents' starts; this one has neither: pass --hymo.no-document_masking (or set "
+                         "[hymo] document_masking = false; and validation_document_masking = \"off\" "
+                         "if it is \"on\")")
 
     def split(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         cu, positions = documents_of(tokens, start_id=bos) if bos is not None else documents_of(tokens, end_id=eos)

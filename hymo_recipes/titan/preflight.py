@@ -61,9 +61,9 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
 
         if (units := getattr(getattr(config, "hymo", None), "fsdp_units", "block")) not in FSDP_UNITS:
             raise ValueError(f"[hymo] fsdp_units = {units!r}: one of {', '.join(FSDP_UNITS)}")
-        from hymo_recipes.titan.documents import masked
+        from hymo_recipes.titan import documents
 
-        masked(config, validation=True)  # a bad validation_document_masking, in one line
+        documents.masked(config, validation=True)  # a bad validation_document_masking, in one line
         from hymo_recipes.model import hymo_flavors
         from hymo_recipes.scheduler import wsd_schedule
         from hymo_recipes.titan.data_checks import check_data, dp_degree
@@ -74,6 +74,9 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
             raise ValueError(f"unknown [model] flavor {config.model.flavor!r}: HyMo has {', '.join(hymo_flavors)}")
         tokenizer = load_tokenizer(config.model.hf_assets_path)
         set_vocab_size(config, tokenizer)
+        # document masking needs a BOS or EOS token: say so here, not after the model is built
+        documents.splitter(config, tokenizer)
+        documents.splitter(config, tokenizer, validation=True)
         args = copy.deepcopy(hymo_flavors[config.model.flavor])  # the Trainer updates its own copy
         args.update_from_config(config)
         if this_machine:

@@ -31,6 +31,8 @@ def _varlen_tables(cu_seqlens: torch.Tensor, NC: int, BT: int):
     """Per chunk (first token, end of its sequence) and per sequence its first chunk,
     computed on the device without a host sync; chunks past the real count get (0, 0).
     Reused while the same cu_seqlens tensor (unmodified) comes back with the same NC and BT."""
+    if cu_seqlens.is_inference():  # no version counter to tell an in-place change
+        return _build_varlen_tables(cu_seqlens, NC, BT)
     key = (cu_seqlens._version, NC, BT, cu_seqlens.device)
     last = _last_tables[0]
     if last is not None and last[0] is cu_seqlens and last[1] == key:

@@ -10,7 +10,7 @@ Per sequence b and head h, from the token's projections xs = [x_q | x_k | x_v] a
 
 and the window moves one token on (conv rows 1..W−2 down one, xs into the last row). A
 program owns one (sequence, head): its q, k and v channels and its K × V state, so it reads
-and writes nothing another program touches. The math runs in fp32 throughout (the PyTorch
+and writes nothing another program touches. Conv sizes 2-4 (HyMo's and fla's is 4). The math runs in fp32 throughout (the PyTorch
 step, hymo_recipes/model/decode.py with ``recurrent_torch.py``, rounds the conv output and the
 normalised q and k to the input dtype); tests/kernels/test_gdn_recurrent.py checks the two
 against each other.
@@ -24,16 +24,35 @@ import triton.language as tl
 
 
 @triton.jit
+def _window_row(row, s: tl.constexpr, cm, stride_ct, W: tl.constexpr):
+    """Cached row s of the window (zeros for the rows a conv of W < 4 lacks)."""
+    if s < W - 1:
+        return tl.load(row + s * stride_ct, mask=cm, other=0.0)
+    else:
+        return tl.zeros(cm.shape, dtype=row.dtype.element_ty)
+
+
+@triton.jit
 def _conv_silu(xs_ptr, conv_ptr, w_ptr, b, ch, cm, stride_xs, stride_cb, stride_ct, W: tl.constexpr):
-    """silu of the conv over the window for channels ch (fp32); moves the cached window on."""
+    """silu of the conv over the window for channels ch (fp32); moves the cached window on.
+    A channel vector may be held by several warps at once, so every row is read before any
+    is written, with a barrier between (2 ≤ W ≤ 4: the rows ride in registers)."""
     x_now = tl.load(xs_ptr + b * stride_xs + ch, mask=cm, other=0.0)
-    y = x_now.to(tl.float32) * tl.load(w_ptr + ch * W + (W - 1), mask=cm, other=0.0).to(tl.float32)
     row = conv_ptr + b * stride_cb + ch
-    for s in tl.static_range(W - 1):
-        xr = tl.load(row + s * stride_ct, mask=cm, other=0.0)
-        y += xr.to(tl.float32) * tl.load(w_ptr + ch * W + s, mask=cm, other=0.0).to(tl.float32)
-        if s > 0:  # row s - 1 was read the step before
-            tl.store(row + (s - 1) * stride_ct, xr, mask=cm)
+    r0 = _window_row(row, 0, cm, stride_ct, W)
+    r1 = _window_row(row, 1, cm, stride_ct, W)
+    r2 = _window_row(row, 2, cm, stride_ct, W)
+    y = x_now.to(tl.float32) * tl.load(w_ptr + ch * W + (W - 1), mask=cm, other=0.0).to(tl.float32)
+    y += r0.to(tl.float32) * tl.load(w_ptr + ch * W, mask=cm, other=0.0).to(tl.float32)
+    if W >= 3:
+        y += r1.to(tl.float32) * tl.load(w_ptr + ch * W + 1, mask=cm, other=0.0).to(tl.float32)
+    if W >= 4:
+        y += r2.to(tl.float32) * tl.load(w_ptr + ch * W + 2, mask=cm, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    if W >= 3:
+        tl.store(row, r1, mask=cm)
+    if W >= 4:
+        tl.store(row + stride_ct, r2, mask=cm)
     tl.store(row + (W - 2) * stride_ct, x_now.to(conv_ptr.dtype.element_ty), mask=cm)
     return y * tl.sigmoid(y)
 
@@ -62,6 +81,9 @@ def _gdn_step_kernel(xs_ptr, conv_ptr, w_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     tl.store(o_ptr + (b * H + h) * V + vv, o.to(o_ptr.dtype.element_ty), mask=vm)
 
 
+MAX_W = 4  # the window rows ride in three register vectors
+
+
 def gdn_decode_step(xs: torch.Tensor, conv: torch.Tensor, w: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, head_k: int, head_v: int, scale: float | None = None,
                     eps: float = 1e-6) -> torch.Tensor:
@@ -88,7 +110,9 @@ def gdn_decode_step(xs: torch.Tensor, conv: torch.Tensor, w: torch.Tensor, g: to
     W = w.shape[-1]
     if C != 2 * key + H * head_v:
         raise ValueError(f"xs must be [B, 2·H·K + H·V] = [{B}, {2 * key + H * head_v}], got {tuple(xs.shape)}")
-    if W < 2 or conv.shape != (B, W - 1, C) or w.shape != (C, W):
+    if not 2 <= W <= MAX_W:
+        raise ValueError(f"the fused decode step takes conv sizes 2-{MAX_W}, got {W}")
+    if conv.shape != (B, W - 1, C) or w.shape != (C, W):
         raise ValueError(f"conv must be [B, W - 1, C] = {(B, W - 1, C)} and w [C, W] = {(C, W)}, got "
                          f"{tuple(conv.shape)} and {tuple(w.shape)}")
     if g.shape != (B, H) or beta.shape != (B, H):

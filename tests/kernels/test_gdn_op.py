@@ -231,3 +231,7 @@ def test_varlen_tables_are_built_once_per_packed_batch():
     moved = problem._varlen_tables(cu, NC, BT)
     assert moved is not first and not torch.equal(moved[0], fresh[0])
     assert all(torch.equal(a, b) for a, b in zip(moved, problem._build_varlen_tables(cu, NC, BT)))
+    with torch.inference_mode():  # inference tensors have no version counter: built each time
+        cu_inf = cu.clone()
+        built = problem._varlen_tables(cu_inf, NC, BT)
+        assert all(torch.equal(a, b) for a, b in zip(built, moved))

@@ -45,7 +45,8 @@ def inputs(B, H, K, V, W, dtype, seed):
     return xs, conv, w, gates, state
 
 
-@pytest.mark.parametrize("B, H, K, V, W", [(3, 2, 6, 5, 4), (2, 3, 8, 8, 2)], ids=["K6-V5-W4", "K8-V8-W2"])
+@pytest.mark.parametrize("B, H, K, V, W", [(3, 2, 6, 5, 4), (2, 3, 8, 8, 2), (1, 1, 4, 4, 3)],
+                         ids=["K6-V5-W4", "K8-V8-W2", "K4-V4-W3"])
 def test_fused_step_matches_the_pytorch_step(B, H, K, V, W):
     xs, conv, w, gates, state = inputs(B, H, K, V, W, torch.float32, seed=B + W)
     ref_conv, ref_state = conv.clone(), state.clone()
@@ -66,6 +67,9 @@ def test_fused_step_rejects_bad_shapes():
         gdn_decode_step(xs[0], conv[:, 1:], w, g, beta, state, 4, 4)
     with pytest.raises(ValueError, match="contiguous float32"):
         gdn_decode_step(xs[0], conv, w, g, beta, state.double(), 4, 4)
+    xs5, conv5, w5, _, _ = inputs(2, 2, 4, 4, 5, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="conv sizes 2-4, got 5"):
+        gdn_decode_step(xs5[0], conv5, w5, g, beta, state, 4, 4)
 
 
 @pytest.mark.gpu

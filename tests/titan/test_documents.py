@@ -99,5 +99,5 @@ def test_validation_follows_training_unless_told(tokenizer, training):
 
 def test_splitter_off_and_a_tokenizer_without_bos_or_eos(tokenizer):
     assert documents.splitter(SimpleNamespace(hymo=SimpleNamespace(document_masking=False)), tokenizer) is None
-    with pytest.raises(ValueError, match="neither: set document_masking = false"):
+    with pytest.raises(ValueError, match="neither: pass --hymo.no-document_masking"):
         documents.splitter(ON, SimpleNamespace(bos_id=None, eos_id=None))
