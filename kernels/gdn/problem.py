@@ -24,6 +24,8 @@ def _num_chunks(B: int, T: int, N: int, varlen: bool, BT: int):
 # same cu_seqlens tensor, so the ~20 small device ops that build the tables (host time on a
 # host-bound forward) run once per batch instead of once per layer and pass. The entry holds
 # the tensor itself, so its storage cannot be reused while the entry matches it by identity.
+# Writes that bypass the version counter (.data, DLPack, a kernel) are not seen, and a CUDA
+# graph captured on a hit records no table build: neither happens in HyMo's paths.
 _last_tables: list = [None]
 
 
