@@ -164,30 +164,28 @@ def gdn_step(attn: GatedDeltaNet, x: torch.Tensor, cache: GDNLayerCache) -> torc
     recurrence are one kernel that updates the cache in place (hymo_kernels.gdn.recurrent)."""
     B = x.shape[0]
     xs = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)  # [B, C]
-    if attn.fused and 2 <= attn.q_conv1d.weight.shape[-1] <= 4:  # the fused step's conv sizes
-        from hymo_kernels.gdn.recurrent import gdn_decode_step
-
-        beta, g = attn._gates(x)
-        o = gdn_decode_step(xs, cache.conv, _conv_weights(attn), g, beta, cache.state, attn.head_dim,
-                            attn.v_head_dim)
-        gate = attn.g_proj(x).view(B, -1, attn.v_head_dim)
-        return attn.o_proj(attn.o_norm(o, gate).reshape(B, -1))
-    window = torch.cat([cache.conv, xs[:, None]], dim=1)  # [B, W, C], the current token last
-    w = _conv_weights(attn).to(xs.dtype)  # [C, W]; w[:, W-1] multiplies the current token
-    W = w.shape[-1]
-    # the taps in short_causal_conv's order (current token first), so the sums round alike
-    y = window[:, W - 1] * w[:, W - 1]
-    for j in range(1, W):
-        y = y + window[:, W - 1 - j] * w[:, W - 1 - j]
-    cache.conv = window[:, 1:]
-    y = F.silu(y)
-    key_dim = attn.q_proj.out_features
-    q, k, v = y.split([key_dim, key_dim, attn.v_proj.out_features], dim=-1)
-    q = l2_normalize(q.view(B, -1, attn.head_dim))
-    k = l2_normalize(k.view(B, -1, attn.head_dim))
-    v = v.view(B, -1, attn.v_head_dim)
     beta, g = attn._gates(x)  # [B, H]
-    o, cache.state = gated_delta_rule_step(q, k, v, g, beta, cache.state)
+    w = _conv_weights(attn)  # [C, W]; w[:, W-1] multiplies the current token
+    W = w.shape[-1]
+    if attn.fused:  # Triton imported only on this path
+        from hymo_kernels.gdn import recurrent
+    if attn.fused and 2 <= W <= recurrent.MAX_W:
+        o = recurrent.gdn_decode_step(xs, cache.conv, w, g, beta, cache.state, attn.head_dim, attn.v_head_dim)
+    else:
+        window = torch.cat([cache.conv, xs[:, None]], dim=1)  # [B, W, C], the current token last
+        w = w.to(xs.dtype)
+        # the taps in short_causal_conv's order (current token first), so the sums round alike
+        y = window[:, W - 1] * w[:, W - 1]
+        for j in range(1, W):
+            y = y + window[:, W - 1 - j] * w[:, W - 1 - j]
+        cache.conv = window[:, 1:]
+        y = F.silu(y)
+        key_dim = attn.q_proj.out_features
+        q, k, v = y.split([key_dim, key_dim, attn.v_proj.out_features], dim=-1)
+        q = l2_normalize(q.view(B, -1, attn.head_dim))
+        k = l2_normalize(k.view(B, -1, attn.head_dim))
+        v = v.view(B, -1, attn.v_head_dim)
+        o, cache.state = gated_delta_rule_step(q, k, v, g, beta, cache.state)
     gate = attn.g_proj(x).view(B, -1, attn.v_head_dim)
     return attn.o_proj(attn.o_norm(o, gate).reshape(B, -1))
 
