@@ -46,12 +46,13 @@ the coming steps not counted) × B; HF's cache object, every tensor it holds aft
 Peak GiB: ``torch.cuda.max_memory_allocated`` over the timed prefill and steps (weights included;
 "–" on the CPU). The table ends with HyMo/HF per (batch, context).
 
-HyMo's prefill of equal-length prompts: ``--hymo-prefill packed`` is the API's one call (all B
-prompts in one row of T = B·C tokens; MLA attends within each prompt through flex attention with
-a block mask on the GPU, SDPA with a dense [T, T] mask on the CPU). ``per-seq`` calls
-``prefill`` once per prompt and concatenates the caches along the batch (the decoding is then
-the same); ``auto`` (default) packs while T ≤ 32768, bounding the one prefill's activations. An
-out-of-memory row is reported, not fatal.
+HyMo's prefill of equal-length prompts (``HymoDecoder.prefill``'s ``max_tokens``):
+``--hymo-prefill packed`` runs all B prompts in one row of T = B·C tokens (MLA attends within
+each prompt through flex attention with a block mask on the GPU, SDPA with a dense [T, T] mask
+on the CPU); ``per-seq`` one forward per prompt, the caches concatenated along the batch (the
+decoding is then the same); ``auto`` (default) as many prompts per forward as fit in 32768
+tokens (the decoder's default), bounding each forward's activations. An out-of-memory row is
+reported, not fatal.
 
 Guard: at the smallest (batch, context) each model's last decode logits must match a full
 forward on the same tokens (prompt + fed tokens) within ``--tol`` (relative L2; default 1e-3 in
@@ -79,7 +80,6 @@ import warnings
 import torch
 
 MODELS = ("hymo", "hf")
-PACKED_MAX_TOKENS = 32768  # --hymo-prefill auto: the largest packed prefill (its activations grow with T)
 
 
 def log(msg: str) -> None:
@@ -224,28 +224,17 @@ def hf_cache_bytes(cache) -> int:
     return total
 
 
-def hymo_prefill(decoder, prompts: torch.Tensor, capacity: int, mode: str, packed_max: int = PACKED_MAX_TOKENS):
-    """HymoDecoder.prefill of prompts [B, C]: one packed call, or one call per prompt with the
-    caches concatenated along the batch -> (last logits [B, V], DecodeCache, mode used)."""
-    from hymo_recipes.model.decode import DecodeCache, GDNLayerCache, MLALayerCache
-
+def hymo_prefill(decoder, prompts: torch.Tensor, capacity: int, mode: str, packed_max: int):
+    """HymoDecoder.prefill of prompts [B, C]: one packed forward, one per prompt, or (auto) as
+    many prompts per forward as fit in ``packed_max`` tokens, the caches concatenated along the
+    batch -> (last logits [B, V], DecodeCache, mode used)."""
     B, C = prompts.shape
+    max_tokens = {"packed": None, "per-seq": 1, "auto": packed_max}[mode]
+    logits, cache = decoder.prefill(list(prompts), capacity=capacity, max_tokens=max_tokens)
     if mode == "auto":
-        mode = "packed" if B * C <= packed_max else "per-seq"
-    if mode == "packed" or B == 1:
-        logits, cache = decoder.prefill(list(prompts), capacity=capacity)
-        return logits, cache, mode
-    parts = [decoder.prefill([p], capacity=capacity) for p in prompts]
-    caches = [c for _, c in parts]
-    layers = {}
-    for name, first in caches[0].layers.items():
-        each = [c.layers[name] for c in caches]
-        if isinstance(first, GDNLayerCache):
-            layers[name] = GDNLayerCache(state=torch.cat([c.state for c in each]), conv=torch.cat([c.conv for c in each]))
-        else:
-            layers[name] = MLALayerCache(kv=torch.cat([c.kv for c in each]), k_rope=torch.cat([c.k_rope for c in each]))
-    cache = DecodeCache(lengths=torch.cat([c.lengths for c in caches]), layers=layers, max_length=C)
-    return torch.cat([lg for lg, _ in parts]), cache, mode
+        per = max(1, packed_max // C)
+        mode = "packed" if B <= per else f"{per} per forward"
+    return logits, cache, mode
 
 
 def hf_cache_keyword(model) -> str:
@@ -260,8 +249,7 @@ def hf_cache_keyword(model) -> str:
 class Runner:
     """prefill(prompts) -> (logits, cache, note); step(tokens, cache) -> logits; full(tokens) -> last logits."""
 
-    def __init__(self, name: str, model, vocab_size: int, hymo_prefill: str = "auto",
-                 packed_max: int = PACKED_MAX_TOKENS):
+    def __init__(self, name: str, model, vocab_size: int, hymo_prefill: str, packed_max: int):
         self.name, self.model, self.vocab_size = name, model, vocab_size
         self.hymo_prefill, self.packed_max = hymo_prefill, packed_max
         if name == "hymo":
@@ -312,10 +300,10 @@ def guard(runner: Runner, tokens: torch.Tensor, C: int, last: torch.Tensor, cach
     other = tokens.clone()
     other[:, :C] = torch.randint(0, runner.vocab_size, (tokens.shape[0], C), generator=torch.Generator().manual_seed(7))
     err, ctx = rel(last, full), rel(runner.full(other), full)
-    log(f"guard {runner.name}: cached vs full forward rel. L2 {err:.2e} (tol {tol:.0e}); after another prompt {ctx:.2e}")
+    log(f"guard {runner.name}: cached vs full forward rel. L2 {err:.2e} (tol {tol:.2g}); after another prompt {ctx:.2e}")
     why = []
     if not err <= tol:
-        why.append(f"cached logits off by {err:.2e} > {tol:.0e}")
+        why.append(f"cached logits off by {err:.2e} > {tol:.2g}")
     if not err < 0.5 * ctx:
         why.append(f"error {err:.2e} not under half the other prompt's {ctx:.2e}")
     if runner.held(cache) != tokens.shape[1]:
@@ -328,14 +316,14 @@ def guard_per_seq(runner: Runner, C: int, device, tol: float) -> str:
     prompts = torch.randint(0, runner.vocab_size, (2, C), generator=torch.Generator().manual_seed(8)).to(device)
     out = {}
     for mode in ("packed", "per-seq"):
-        logits, cache, _ = hymo_prefill(runner.decoder, prompts, C + 3, mode)
+        logits, cache, _ = hymo_prefill(runner.decoder, prompts, C + 3, mode, runner.packed_max)
         first = logits
         for _ in range(2):
             logits = runner.decoder.step(logits.argmax(-1), cache)
         out[mode] = first, logits
     errs = [rel(a, b) for a, b in zip(out["per-seq"], out["packed"])]
     log(f"guard hymo per-seq prefill: vs packed, prefill logits rel. L2 {errs[0]:.2e}, after 2 steps {errs[1]:.2e}")
-    return "" if max(errs) <= tol else f"per-seq prefill off the packed one by {max(errs):.2e} > {tol:.0e}"
+    return "" if max(errs) <= tol else f"per-seq prefill off the packed one by {max(errs):.2e} > {tol:.2g}"
 
 
 def run_row(runner: Runner, B: int, C: int, args, device, do_guard: bool) -> Row:
@@ -441,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hymo-prefill", choices=("auto", "packed", "per-seq"), default="auto",
                     help="HyMo's prefill: one packed call, one call per prompt, or packed up to --packed-max-tokens")
     ap.add_argument("--packed-max-tokens", type=int, default=None,
-                    help=f"auto packs up to B x C tokens (default {PACKED_MAX_TOKENS}; 32 with --dry, so both paths run)")
+                    help="auto's tokens per prefill forward (default: the decoder's PREFILL_MAX_TOKENS; 32 with --dry, "
+                         "so both paths run)")
     ap.add_argument("--tol", type=float, default=None, help="guard's relative L2 tolerance (default 0.15 bf16, 1e-3 fp32)")
     ap.add_argument("--no-guard", dest="guard", action="store_false")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
@@ -454,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     args.contexts = args.contexts or ([16, 32] if dry else [1024, 8192, 32768])
     args.steps = args.steps or (3 if dry else 64)
     args.warmup = args.warmup if args.warmup is not None else (1 if dry else 5)
-    args.packed_max_tokens = args.packed_max_tokens or (32 if dry else PACKED_MAX_TOKENS)
+    from hymo_recipes.model.decode import PREFILL_MAX_TOKENS
+
+    args.packed_max_tokens = args.packed_max_tokens or (32 if dry else PREFILL_MAX_TOKENS)
     if dry:
         if args.dtype == "bf16":
             sys.exit("decode_bench: --dry runs fp32 (bf16 on the CPU is not what the GPU computes)")

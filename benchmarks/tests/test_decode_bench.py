@@ -31,6 +31,6 @@ def test_decode_bench_dry_run(capsys):
         assert r[7] == "–", r
     notes = {k: r[8] for k, r in zip(keys, rows)}
     assert notes[("hymo", 1, 16)] == "packed, guard ok" and notes[("hf", 1, 16)] == "guard ok"
-    assert notes[("hymo", 2, 16)] == "packed" and notes[("hymo", 2, 32)] == "per-seq"  # --packed-max-tokens 32
+    assert notes[("hymo", 2, 16)] == "packed" and notes[("hymo", 2, 32)] == "1 per forward"  # --packed-max-tokens 32
     assert "guard hymo per-seq prefill" in out
     assert "parameters: hymo " in out and ", hf " in out

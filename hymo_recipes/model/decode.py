@@ -5,7 +5,10 @@ re-laid out, the training forward is untouched):
 
 - **prefill**: the prompts of a batch are packed into one row with ``cu_seqlens`` (the training
   forward's document masking), so each prompt is computed exactly as if it ran alone, whatever
-  the other prompts' lengths. GDN layers run the configured chunked backend (the chunked PyTorch
+  the other prompts' lengths; past ``max_tokens`` (``PREFILL_MAX_TOKENS`` by default) into
+  several rows of consecutive prompts, one forward each, their caches concatenated along the
+  batch (a forward's activations grow with its tokens, and on the CPU its attention mask with
+  their square). GDN layers run the configured chunked backend (the chunked PyTorch
   reference on CPU, the Triton kernel on GPU) with ``output_final_state=True``; MLA layers run
   the training attention and keep their latent cache. (On GPU the prefill runs the PyTorch conv
   around the Triton recurrence, not the fused mixer op of training, which keeps no final state:
@@ -54,6 +57,8 @@ from .mla import MLA, apply_rope, document_attention_mask, precompute_rope_cache
 from .model import GDNBlock, HymoModel, positions_in_documents
 from .moe import MoE
 
+PREFILL_MAX_TOKENS = 32768  # tokens per prefill forward (HymoDecoder.prefill's max_tokens)
+
 
 def _readout(model: HymoModel, h: torch.Tensor) -> torch.Tensor:
     """The main head's logits as HymoModel.forward computes them (the tied head, muP's multiplier)."""
@@ -81,6 +86,22 @@ class DecodeCache:
     lengths: torch.Tensor
     layers: dict[str, GDNLayerCache | MLALayerCache] = field(default_factory=dict)
     max_length: int = 0  # max(lengths), kept on the host (no device sync per step)
+
+    @staticmethod
+    def cat(caches: list[DecodeCache]) -> DecodeCache:
+        """The caches of consecutive groups of sequences as one batch (their MLA caches must
+        have equal room)."""
+        layers = {}
+        for name, first in caches[0].layers.items():
+            each = [c.layers[name] for c in caches]
+            if isinstance(first, GDNLayerCache):
+                layers[name] = GDNLayerCache(state=torch.cat([c.state for c in each]),
+                                             conv=torch.cat([c.conv for c in each]))
+            else:
+                layers[name] = MLALayerCache(kv=torch.cat([c.kv for c in each]),
+                                             k_rope=torch.cat([c.k_rope for c in each]))
+        return DecodeCache(lengths=torch.cat([c.lengths for c in caches]), layers=layers,
+                           max_length=max(c.max_length for c in caches))
 
     @property
     def capacity(self) -> int:
@@ -287,14 +308,19 @@ class HymoDecoder:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]] | list[torch.Tensor], capacity: int | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor | list[torch.Tensor], DecodeCache]:
-        """Runs the prompts (token id lists of any lengths ≥ 1) as one packed row.
+                all_logits: bool = False, max_tokens: int | None = PREFILL_MAX_TOKENS
+                ) -> tuple[torch.Tensor | list[torch.Tensor], DecodeCache]:
+        """Runs the prompts (token id lists of any lengths ≥ 1) as one packed row, or as several
+        when they hold more than ``max_tokens`` tokens.
 
         Args:
             prompts: B token sequences.
             capacity: tokens per sequence the MLA caches get room for (default: the longest
                 prompt + 64); they grow when needed.
             all_logits: return every position's logits instead of each prompt's last.
+            max_tokens: the most tokens one forward packs (consecutive prompts; a longer prompt
+                alone); None: every prompt in one forward.
+                Default: PREFILL_MAX_TOKENS.
 
         Returns:
             logits [B, vocab] of each prompt's last token (or a list of [len_b, vocab]) and the cache.
@@ -304,13 +330,27 @@ class HymoDecoder:
         seqs = [torch.as_tensor(p, dtype=torch.long, device=device).reshape(-1) for p in prompts]
         if not seqs or any(s.numel() == 0 for s in seqs):
             raise ValueError("every prompt needs at least one token")
-        lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.long, device=device)
+        sizes = [s.numel() for s in seqs]
+        longest = max(sizes)
+        capacity = max(longest + 1, longest + 64 if capacity is None else capacity)
+        if max_tokens is not None and len(seqs) > 1 and sum(sizes) > max_tokens:
+            groups, start, held = [], 0, 0
+            for i, n in enumerate(sizes):
+                if held and held + n > max_tokens:
+                    groups.append((start, i))
+                    start, held = i, 0
+                held += n
+            groups.append((start, len(seqs)))
+            parts = [self.prefill(seqs[a:b], capacity, all_logits, max_tokens=None) for a, b in groups]
+            cache = DecodeCache.cat([c for _, c in parts])
+            if all_logits:
+                return [lg for part, _ in parts for lg in part], cache
+            return torch.cat([lg for lg, _ in parts]), cache
+        lengths = torch.tensor(sizes, dtype=torch.long, device=device)
         cu = F.pad(lengths.cumsum(0), (1, 0))
         tokens = torch.cat(seqs)[None]
         T = tokens.shape[1]
         positions = positions_in_documents(cu, T)
-        longest = int(lengths.max())
-        capacity = max(longest + 1, longest + 64 if capacity is None else capacity)
         rope = self.rope(capacity)
 
         cache = DecodeCache(lengths=lengths.clone(), max_length=longest)

@@ -274,3 +274,28 @@ def test_bf16_parameters_decode_with_fp32_state(tiny_args):
     got = dbf.step(nxt, cbf)
     assert got.dtype == torch.bfloat16 and cbf.layers["0"].state.dtype == torch.float32
     assert (got.float() - ref).abs().max() <= 0.1 * ref.abs().max()
+
+
+def test_prefill_past_max_tokens_runs_in_groups_that_decode_as_one_row(tiny_args):
+    """Prompts over ``max_tokens`` go through several forwards of consecutive prompts (a prompt
+    longer than the bound alone); the concatenated cache decodes as the one packed row's."""
+    model = _model(tiny_args())
+    dec = HymoDecoder(model)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], list(range(8, 20)), [20, 21, 22], [23]]
+    calls = []
+    forward = model.tok_embeddings.forward
+    model.tok_embeddings.forward = lambda t: calls.append(t.shape[-1]) or forward(t)
+    one, c1 = dec.prefill(prompts, capacity=30, max_tokens=None)
+    assert calls == [23]
+    calls.clear()
+    grouped, cg = dec.prefill(prompts, capacity=30, max_tokens=8)
+    assert calls == [7, 12, 4]  # (5 + 2), the 12-token prompt alone, (3 + 1)
+    model.tok_embeddings.forward = forward
+    assert cg.lengths.tolist() == [5, 2, 12, 3, 1] and cg.max_length == 12 and cg.capacity == c1.capacity
+    _close(grouped, one, "prefill logits")
+    nxt = torch.tensor([30, 31, 32, 33, 34])
+    for s in range(3):
+        a, b = dec.step(nxt + s, c1), dec.step(nxt + s, cg)
+        _close(b, a, f"step {s}")
+    every, _ = dec.prefill(prompts, all_logits=True, max_tokens=8)
+    assert [x.shape[0] for x in every] == [5, 2, 12, 3, 1]
