@@ -20,9 +20,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 CONFIG_ERROR_FILE = "HYMO_CONFIG_ERROR_FILE"  # read by hymo_recipes.titan.train.parse_config
-# Where rank 0 notes that a SIGTERM/SIGINT stopped the run after a checkpoint
-# (hymo_recipes.titan.checkpoints): torchrun, signalled too, then exits 0 with that line instead
-# of its traceback.
+# Where rank 0 notes why the run stopped early after a checkpoint (hymo_recipes.titan.checkpoints):
+# a SIGTERM/SIGINT (torchrun, signalled too, then exits 0 with that line instead of its
+# traceback) or training data that ran out (the ranks end normally; the line is printed last).
 STOP_NOTE_FILE = "HYMO_STOP_NOTE_FILE"
 
 
@@ -50,6 +50,9 @@ def main(argv: list[str]) -> int:
     os.environ[STOP_NOTE_FILE] = stop_note
     try:
         torchrun(argv)
+        with open(stop_note) as f:
+            if note := f.read().strip():
+                print(note, file=sys.stderr)
     except ChildFailedError:
         if os.path.getsize(path) == 0:
             raise

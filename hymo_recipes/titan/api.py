@@ -6,7 +6,7 @@ side effects beyond the imports themselves. ``hymo_recipes.titan`` imports ``cpu
 this module: without an accelerator TorchTitan must see device type "cpu" from its first import.
 """
 
-from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.dataloader import DataloaderExhaustedError, ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsProcessor
@@ -27,6 +27,7 @@ from torchtitan.train import Trainer
 __all__ = [
     "ConfigManager",
     "DATASETS",
+    "DataloaderExhaustedError",
     "DatasetConfig",
     "HuggingFaceTextDataset",
     "HuggingFaceTokenizer",

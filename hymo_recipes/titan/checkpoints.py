@@ -375,6 +375,7 @@ class SaveGuard:
             return self
         self._save = ck.save
         ck.save = self.save
+        self.trainer.save_guard = self  # for the train step's stop when the data runs out
         plan = plan_resume(ck.folder, -1)
         chosen = -1 if plan is None or plan.target is None else plan.target
         find = ck._find_load_step
@@ -424,9 +425,22 @@ class SaveGuard:
             note = (f"hymo: stopped by {name} after step {curr_step}: checkpoint {ck._create_checkpoint_id(curr_step)} "
                     "saved; start the same command again to resume from it")
             logger.warning(note)
-            if _rank_and_world()[0] == 0 and (path := os.environ.get(STOP_NOTE_FILE)):
-                with open(path, "a") as f:
-                    f.write(note + "\n")
+            leave_note(note)
+
+    def stop_before(self, step: int) -> str:
+        """Checkpoints step ``step - 1`` (the trainer's state, already rewound to it) because step
+        ``step`` cannot run; says what was saved. A step already whole on disk (a regular save,
+        or the checkpoint this run resumed from) is left as it is."""
+        ck, last = self.ck, step - 1
+        if ck.load_only:
+            return "checkpoint.load_only is set: nothing saved"
+        if last < 1:
+            return "no step had been trained: nothing saved"
+        path = ck._create_checkpoint_id(last)
+        if _has(path, MANIFEST):
+            return f"checkpoint {path} (step {last}) is on disk"
+        self._guarded_save(last, False, force=True)
+        return f"checkpoint {path} (step {last}) saved"
 
     def _previous(self, step: int) -> str:
         plan = plan_resume(self.ck.folder, -1)  # the failed step has its marker: never the target
@@ -525,7 +539,14 @@ class SaveGuard:
         return None
 
 
-STOP_NOTE_FILE = "HYMO_STOP_NOTE_FILE"  # set by scripts/launch.py: where rank 0 notes a stop on a signal
+STOP_NOTE_FILE = "HYMO_STOP_NOTE_FILE"  # set by scripts/launch.py: where rank 0 notes why the run stopped early
+
+
+def leave_note(line: str) -> None:
+    """Rank 0 leaves ``line`` for the launcher (scripts/launch.py) to print last."""
+    if _rank_and_world()[0] == 0 and (path := os.environ.get(STOP_NOTE_FILE)):
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 def _checkpoint_exception():

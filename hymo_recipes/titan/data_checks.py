@@ -10,7 +10,8 @@ that names the file and what to do:
   ``seq_len + 1`` tokens for training, ``validation.steps`` batches (at least one) for
   validation. Less is an error unless ``[hymo] allow_data_repeat`` asks to loop over the data;
   then one warning says how many passes the run makes (dataloader.py loops without further
-  warnings, and stops with an error when the data runs out and looping was not asked for).
+  warnings; when the data runs out and looping was not asked for, the train step checkpoints
+  the last whole step and stops the run, trainer.py).
 
 Hub datasets (streamed) are not read here: their size is unknown before the run.
 """

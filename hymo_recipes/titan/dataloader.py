@@ -41,7 +41,7 @@ from datasets import Dataset
 
 from hymo_recipes.titan.api import HuggingFaceTextDataset, ParallelAwareDataloader, logger
 
-__all__ = ["HymoDataloader", "HymoTextDataset", "build_hymo_dataloader", "pack_states",
+__all__ = ["DataRanOut", "HymoDataloader", "HymoTextDataset", "build_hymo_dataloader", "pack_states",
            "shard_bounds", "take_ranges", "subtract_ranges"]
 
 Ranges = list[tuple[int, int]]  # [start, end) document index ranges, sorted, disjoint
@@ -174,6 +174,11 @@ class ReadAhead:
             self._thread.join()
 
 
+class DataRanOut(RuntimeError):
+    """An infinite training dataset reached its end without ``[hymo] allow_data_repeat``: the
+    train step stops the run with a checkpoint of the last whole step (trainer.py)."""
+
+
 class HymoTextDataset(HuggingFaceTextDataset):
     """TorchTitan's text dataset that can finish an epoch on a list of document ranges (the
     documents a resume with another DP degree still has to read); the next epoch reads the
@@ -204,8 +209,8 @@ class HymoTextDataset(HuggingFaceTextDataset):
                 logger.warning(f"Dataset {self.dataset_name} has run out of data")
                 break
             if not self.allow_repeat:
-                raise RuntimeError(f"dataset {self.dataset_name} ran out of data after one pass: use more data or "
-                                   "fewer steps, or pass --hymo.allow_data_repeat to loop over it")
+                raise DataRanOut(f"dataset {self.dataset_name} ran out of data after one pass: use more data or "
+                                 "fewer steps, or pass --hymo.allow_data_repeat to loop over it")
             if not self._repeat_warned:
                 logger.warning(f"Dataset {self.dataset_name} is being re-looped (hymo.allow_data_repeat; said once)")
                 self._repeat_warned = True

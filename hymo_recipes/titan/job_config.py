@@ -87,7 +87,8 @@ class Hymo:
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:
     such a run stops before anything is built, naming the file (a local dataset), or when the
-    data runs out (a streamed one). On: one warning says how many passes the run makes."""
+    data runs out (a streamed one: after checkpointing the last whole step). On: one warning
+    says how many passes the run makes."""
     nonfinite_probe: bool = False
     """Debugging: log, for each forward, the first module whose output is NaN/Inf while its
     inputs are finite (hymo_recipes/nonfinite_probe.py); with compile, which compiled block, and

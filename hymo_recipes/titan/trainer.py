@@ -11,6 +11,12 @@ TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as bef
 ``[hymo] document_masking`` each microbatch's document boundaries are added to its inputs on
 the host, before the copy (hymo_recipes/titan/documents.py). With ``[hymo]
 fsdp_sync_once_per_step`` FSDP reduce-scatters and reshards after a step's last microbatch only.
+
+Data that runs out during a step's reads (a streamed dataset without ``[hymo]
+allow_data_repeat``, on any rank) stops the run before the step computes anything: the ranks
+agree on it (one all-reduce per step when there are several), the step is not trained, the
+last whole step is checkpointed (checkpoints.SaveGuard.stop_before) and one line says what
+happened and what to do.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from hymo_recipes.titan import documents
-from hymo_recipes.titan.api import IGNORE_INDEX, Trainer, dist_utils
+from hymo_recipes.titan import checkpoints, documents
+from hymo_recipes.titan.api import IGNORE_INDEX, DataloaderExhaustedError, Trainer, dist_utils, logger
+from hymo_recipes.titan.dataloader import DataRanOut
 
 
 class HymoTrainer(Trainer):
@@ -42,6 +50,30 @@ class HymoTrainer(Trainer):
             part.set_requires_gradient_sync(last)
             part.set_reshard_after_backward(last)
 
+    def _rank_where(self, flag: bool) -> int | None:
+        """The highest rank where ``flag`` holds, or None (every rank calls this once per step)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return 0 if flag else None
+        t = torch.tensor([dist.get_rank() + 1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item()) - 1 if t.item() else None
+
+    def _stop_for_data(self, rank: int) -> None:
+        """The data ran out on ``rank`` (the highest such) while this step's microbatches were
+        read: checkpoint the last whole step, say so, end the training loop."""
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        why = f"dataset {self.job_config.training.dataset} ran out{f' on rank {rank}' if several else ''}"
+        step = self.step
+        self.step = step - 1  # this step is not trained: the checkpoint is the step before it
+        guard = getattr(self, "save_guard", None)
+        saved = guard.stop_before(step) if guard is not None else "checkpointing is off: nothing saved"
+        note = (f"hymo: the training data ran out during step {step} ({why}); step {step} was not trained; "
+                f"{saved}. Add data, lower --training.steps or pass --hymo.allow_data_repeat, then start the "
+                "same command again to resume")
+        logger.warning(note)
+        checkpoints.leave_note(note)
+        raise DataloaderExhaustedError(note)
+
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
         # TorchTitan 0.2.2's Trainer.train_step but for _to_device and the document boundaries
         if self._split_documents is False:
@@ -52,12 +84,19 @@ class HymoTrainer(Trainer):
 
         microbatches = []
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
+        ran_out = False
         for _microbatch in range(self.gradient_accumulation_steps):
-            input_dict, labels = next(data_iterator)
+            try:
+                input_dict, labels = next(data_iterator)
+            except (DataRanOut, DataloaderExhaustedError):
+                ran_out = True
+                break
             if self._split_documents is not None:
                 input_dict.update(self._split_documents(input_dict["input"]))
             local_valid_tokens += (labels != IGNORE_INDEX).sum()
             microbatches.append((input_dict, labels))
+        if (rank := self._rank_where(ran_out)) is not None:
+            self._stop_for_data(rank)
 
         local_valid_tokens = self._to_device(local_valid_tokens)
         if parallel_dims.dp_enabled:

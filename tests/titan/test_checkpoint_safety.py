@@ -328,6 +328,20 @@ def test_sigterm_saves_at_the_next_step_boundary_and_stops(tmp_path):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_stop_before_a_step_saves_the_step_before_once(tmp_path):
+    """What the train step does when the data runs out: the step before is saved (force), a
+    step already whole on disk is left alone, and before step 1 there is nothing to save."""
+    guard, trainer, ck = _train(tmp_path / "out", 3)  # steps 2 and 3 saved (every 2nd and the last)
+    folder = tmp_path / "out" / "checkpoint"
+    manifest = (folder / "step-3" / checkpoints.MANIFEST).read_bytes()
+    assert guard.stop_before(4) == f"checkpoint {folder}/step-3 (step 3) is on disk"
+    assert (folder / "step-3" / checkpoints.MANIFEST).read_bytes() == manifest
+    assert guard.stop_before(6) == f"checkpoint {folder}/step-5 (step 5) saved"  # step 5: not a regular save
+    assert (folder / "step-5" / checkpoints.MANIFEST).is_file()
+    assert checkpoints.plan_resume(str(folder)).target == 5
+    assert guard.stop_before(1) == "no step had been trained: nothing saved"
+
+
 def test_async_checkpointing_is_refused():
     with pytest.raises(SystemExit, match="checkpoint.async_mode = 'async' is not supported"):
         parse_config(DEBUG + ["--checkpoint.async_mode", "async"])
@@ -430,6 +444,39 @@ def test_second_run_stops_in_one_line_and_sigterm_saves_a_checkpoint_that_resume
     resumed = _run(dump, "--training.steps", str(step + 1))
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert f"Training starts at step {step + 1}" in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.slow
+def test_a_stream_that_runs_out_on_one_rank_checkpoints_the_last_whole_step(tmp_path):
+    """A streamed dataset (cannot be sized before the run) of three Brown documents: each rank
+    reads every other one, so rank 1 runs out first, while rank 0 still has data. Both stop
+    before the step computes anything, the step before it is checkpointed, one line says so,
+    and the checkpoint resumes (here with the data looped)."""
+    import pyarrow.parquet as pq
+
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    docs = pq.read_table(REPO / "data" / "brown" / "train.parquet").column("text").to_pylist()[:3]
+    (stream / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    dump = tmp_path / "run"
+    data = ["--training.dataset", "hf", "--training.dataset_path", str(stream), "--metrics.no-enable_tensorboard"]
+    run = _run(dump, *data, "--training.steps", "20", "--checkpoint.interval", "100")
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    notes = [line for line in output.splitlines() if "hymo: the training data ran out during step" in line]
+    assert notes and notes[-1].startswith("hymo: the training data ran out"), output[-4000:]  # printed last, bare
+    step = int(notes[-1].split("during step ")[1].split(" ")[0])
+    assert 2 <= step < 20
+    saved = dump / "checkpoint" / f"step-{step - 1}"
+    assert f"step {step} was not trained; checkpoint {saved} (step {step - 1}) saved" in notes[-1]
+    assert f"during step {step} (dataset hf ran out on rank 1); step" in notes[-1]  # every other document: 1 of 3
+    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", checkpoints.MANIFEST]
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == [saved.name]
+    assert f"step: {step - 1:2d}" in output and f"step: {step:2d}" not in output
+    resumed = _run(dump, *data, "--training.steps", str(step), "--hymo.allow_data_repeat")
+    out2 = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out2[-4000:]
+    assert f"Training starts at step {step}" in out2 and f"step: {step:2d}" in out2, out2[-4000:]
 
 
 @pytest.mark.slow
