@@ -5,7 +5,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = "./scripts/setup.sh && . .venv/bin/activate && ./run_train.sh"
-TEST = "./scripts/setup.sh && . .venv/bin/activate && pytest -q"
+TEST = "./scripts/setup.sh && . .venv/bin/activate && pytest -q -n 2 --dist loadfile"
 # the repository's source folders; paths under outputs/, data/, assets/, .venv/ are made by a run
 SOURCE_DIRS = ("hymo_recipes", "kernels", "benchmarks", "scripts", "train_configs", "tests", r"\.ci")
 
