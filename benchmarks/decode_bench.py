@@ -44,7 +44,10 @@ logits): decode ms/token is their median, tokens/s = B / that. Cache MiB: HyMo's
 conv inputs, MLA latents + rope keys of the C held tokens; the decoder's preallocated room for
 the coming steps not counted) × B; HF's cache object, every tensor it holds after the prefill.
 Peak GiB: ``torch.cuda.max_memory_allocated`` over the timed prefill and steps (weights included;
-"–" on the CPU). The table ends with HyMo/HF per (batch, context).
+"–" on the CPU). The table ends with HyMo/HF per (batch, context). Then, computed from the
+args at each context: the bytes per sequence of HyMo's cache, of the all-MLA model of HyMo's
+depth with the same latent cache, and of that model with a full per-head K/V cache; HyMo's
+formula is checked against every HyMo row's measured cache (a mismatch fails the row).
 
 HyMo's prefill of equal-length prompts (``HymoDecoder.prefill``'s ``max_tokens``):
 ``--hymo-prefill packed`` runs all B prompts in one row of T = B·C tokens (MLA attends within
@@ -380,6 +383,37 @@ def run_row(runner: Runner, B: int, C: int, args, device, do_guard: bool) -> Row
     return row
 
 
+def cache_per_sequence(a, context: int, elem: int) -> dict[str, int]:
+    """Bytes one sequence of ``context`` tokens keeps, computed from HyMo args ``a`` (activations
+    of ``elem`` bytes): HyMo's cache (its GDN layers' fp32 state and W - 1 conv inputs, fixed;
+    its MLA layers' latent + rope key per token), the all-MLA model of HyMo's depth with the
+    same latent cache (every layer an MLA layer), and that model with a full per-head K/V cache
+    (no weight absorption: keys of qk_nope + qk_rope and values of v_head_dim per head)."""
+    n_mla = len(a.mla_layers)
+    n_gdn = a.n_layers - n_mla
+    H, K, V = a.gdn_n_heads, a.gdn_head_dim, a.gdn_v_head_dim
+    gdn = n_gdn * (H * K * V * 4 + (a.gdn_conv_size - 1) * (2 * H * K + H * V) * elem)
+    latent = (a.kv_lora_rank + a.qk_rope_head_dim) * elem
+    full = a.n_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * elem
+    return {"hymo": gdn + n_mla * latent * context, "all_mla_latent": a.n_layers * latent * context,
+            "all_mla_full_kv": a.n_layers * full * context}
+
+
+def n_layers_note(a) -> str:
+    return (f"HyMo: {a.n_layers - len(a.mla_layers)} GDN + {len(a.mla_layers)} MLA layers; the all-MLA model: "
+            f"{a.n_layers} MLA layers of the same shape")
+
+
+def cache_table(a, contexts: list[int], elem: int) -> str:
+    out = ["| context | HyMo cache MiB / sequence | all-MLA latent cache | all-MLA full K/V cache | "
+           "HyMo / latent | HyMo / full K/V |", "|---|---|---|---|---|---|"]
+    for c in contexts:
+        b = cache_per_sequence(a, c, elem)
+        h, lat, full = (b[k] / 2**20 for k in ("hymo", "all_mla_latent", "all_mla_full_kv"))
+        out.append(f"| {c} | {h:.2f} | {lat:.2f} | {full:.2f} | {h / lat:.2f}x | {h / full:.3f}x |")
+    return "\n".join(out)
+
+
 def _f(x: float, spec: str, suffix: str = "") -> str:
     return f"{x:{spec}}{suffix}" if math.isfinite(x) else "–"
 
@@ -490,6 +524,14 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(table(rows))
+    elem = torch.finfo(dtype).bits // 8
+    print(f"Per-sequence cache, computed ({n_layers_note(hargs)}; {elem}-byte activations, fp32 GDN states):")
+    print(cache_table(hargs, args.contexts, elem))
+    for r in rows:  # the formula against the caches the runs held after their prefill
+        want = cache_per_sequence(hargs, r.context, elem)["hymo"] * r.batch / 2**20
+        if r.model == "hymo" and math.isfinite(r.cache_mib) and abs(r.cache_mib - want) > 1e-6 * want:
+            r.note = f"failed: cache {r.cache_mib:.3f} MiB, computed {want:.3f}"
+            print(f"decode_bench: hymo batch {r.batch} context {r.context}: {r.note}")
     if len(counts) == 2:
         print(f"parameters: hymo {counts['hymo'][0]:,} ({counts['hymo'][1]:,} without MTP), hf {counts['hf'][0]:,}")
     bad = [r for r in rows if not math.isfinite(r.decode_ms) or "FAILED" in r.note or r.note.startswith(("failed",

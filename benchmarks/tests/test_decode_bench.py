@@ -21,7 +21,8 @@ def test_table_ratios_per_batch_and_context():
 def test_decode_bench_dry_run(capsys):
     assert decode_bench.main(["--dry"]) == 0
     out = capsys.readouterr().out
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()
+    main, cache = out.split("Per-sequence cache, computed")
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in main.splitlines()
             if line.startswith("| ") and not line.startswith("| model")]
     keys = [(r[0], int(r[1]), int(r[2])) for r in rows]
     assert keys == [(m, b, c) for b in (1, 2) for c in (16, 32) for m in ("hymo", "hf", "HyMo/HF")]
@@ -34,3 +35,20 @@ def test_decode_bench_dry_run(capsys):
     assert notes[("hymo", 2, 16)] == "packed" and notes[("hymo", 2, 32)] == "1 per forward"  # --packed-max-tokens 32
     assert "guard hymo per-seq prefill" in out
     assert "parameters: hymo " in out and ", hf " in out
+    # the computed per-sequence caches (checked against the rows' measured ones: no failed row)
+    sizes = [[c.strip() for c in line.split("|")[1:-1]] for line in cache.splitlines() if line.startswith("| 16 |")
+             or line.startswith("| 32 |")]
+    assert [s[0] for s in sizes] == ["16", "32"] and "failed" not in out
+    assert float(sizes[1][2]) == 2 * float(sizes[0][2])  # the all-MLA latent cache grows with the context
+
+
+def test_cache_per_sequence_at_the_750m_shape():
+    """hymo_750m at 32K tokens in bf16: 24 GDN layers of 40 x 32 x 32 fp32 state and 3 conv inputs
+    of 3 x 1280 channels, 8 MLA layers of 128 + 32 latent values per token; the all-MLA model has
+    32 such layers; its full K/V: 16 heads x (96 + 32 + 128) values per token and layer."""
+    from hymo_recipes.model import hymo_flavors
+
+    b = decode_bench.cache_per_sequence(hymo_flavors["750m"], 32768, 2)
+    assert b["hymo"] == 24 * (40 * 32 * 32 * 4 + 3 * 3840 * 2) + 8 * 160 * 2 * 32768
+    assert b["all_mla_latent"] == 32 * 160 * 2 * 32768
+    assert b["all_mla_full_kv"] == 32 * 16 * 256 * 2 * 32768
