@@ -126,6 +126,21 @@ def test_another_tokenizer_of_the_same_size_stops_the_resume(run_dir, tmp_path):
         _config(dump, "--model.hf_assets_path", str(other))
 
 
+def test_a_tokenizer_of_another_size_stops_the_resume_in_one_line(run_dir, tmp_path):
+    """One more token (vocab 8193): named as a tokenizer change before any embedding shape
+    mismatch could surface."""
+    dump, _ = run_dir
+    bigger = tmp_path / "bigger"
+    shutil.copytree(REPO / "assets" / "tokenizer", bigger)
+    spec = json.loads((bigger / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["zqzqzq"] = len(spec["model"]["vocab"])
+    (bigger / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(SystemExit, match=r"step-4 was trained with tokenizer [0-9a-f]{16} \(vocab 8192, from "
+                                         r".*\), this run has [0-9a-f]{16} \(vocab 8193, from .*bigger\): point "
+                                         r"--model.hf_assets_path at the original"):
+        _config(dump, "--model.hf_assets_path", str(bigger))
+
+
 def test_another_flavor_or_shape_stops_the_resume(run_dir):
     dump, _ = run_dir
     with pytest.raises(SystemExit, match="step-4 was trained with flavor 'debugmodel', this run builds 'small': "
@@ -310,18 +325,24 @@ def test_a_really_full_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_sigterm_saves_at_the_next_step_boundary_and_stops(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_at_the_next_step_boundary_and_stops(tmp_path, sig, caplog):
     config = _config(tmp_path / "out")
     ck = FakeCheckpointer(tmp_path / "out" / "checkpoint")
     trainer = FakeTrainer(ck)
     guard = checkpoints.SaveGuard(trainer, config).install()  # checkpoint_on_signal: on by default
     ck.save(1)
-    os.kill(os.getpid(), signal.SIGTERM)  # during step 2
+    os.kill(os.getpid(), sig)  # during step 2
     assert trainer.should_continue_training()
     ck.save(2 + 1)  # step 3 is not a checkpoint step: saved because of the signal
     assert guard.stopped_at == 3 and not trainer.should_continue_training()
     assert (tmp_path / "out" / "checkpoint" / "step-3" / checkpoints.MANIFEST).is_file()
     assert not (tmp_path / "out" / "checkpoint" / "step-1").exists()
+    assert any(f"hymo: stopped by {sig.name} after step 3" in r.getMessage() for r in caplog.records)
+
+
+def test_signal_handlers_are_left_alone_when_checkpoint_on_signal_is_off(tmp_path):
+    config = _config(tmp_path / "out")
     config.hymo.checkpoint_on_signal = False  # off: the signal handlers stay as they are
     signal.signal(signal.SIGINT, signal.default_int_handler)
     checkpoints.SaveGuard(FakeTrainer(FakeCheckpointer(tmp_path / "b")), config).install()
@@ -425,6 +446,8 @@ def test_second_run_stops_in_one_line_and_sigterm_saves_a_checkpoint_that_resume
         holder = json.loads((dump / run_lock.LOCK_NAME).read_text())["pid"]
         second = _run(dump, "--training.steps", "2")
         assert second.returncode != 0
+        # it wrote no tensorboard events (the first run's rank 0 writes the one events file)
+        assert len(list((dump / "tb").rglob("events.out.tfevents.*"))) == 1
         output = second.stdout + second.stderr
         assert f"hymo: dump folder {dump.resolve()} is in use by another run (pid {holder} on" in output, output[-3000:]
         assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
