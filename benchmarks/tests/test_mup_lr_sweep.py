@@ -1,0 +1,39 @@
+"""benchmarks/mup_lr_sweep.py: the verdict's arithmetic, and the CPU dry mode end to end with its resume."""
+
+import json
+
+from benchmarks import mup_lr_sweep
+
+
+def _runs(parametrization, finals):
+    """finals: {width: [final loss per lr multiplier 0.5, 1, 2]}."""
+    return [dict(parametrization=parametrization, width=w, lr_mult=m, final=f)
+            for w, fs in finals.items() for m, f in zip([0.5, 1.0, 2.0], fs)]
+
+
+def test_best_lr_and_its_spread_in_grid_points():
+    grid = [0.5, 1.0, 2.0]
+    runs = _runs("muP", {32: [3.0, 2.0, 2.5], 64: [3.0, 2.1, 2.2]}) + _runs("SP", {32: [1.0, 2.0, 3.0],
+                                                                                  64: [3.0, 2.0, 1.0]})
+    assert mup_lr_sweep.best_lrs(runs, "muP") == {32: 1.0, 64: 1.0}
+    assert mup_lr_sweep.best_lrs(runs, "SP") == {32: 0.5, 64: 2.0}
+    assert mup_lr_sweep.spread(mup_lr_sweep.best_lrs(runs, "muP"), grid) == 0
+    assert mup_lr_sweep.spread(mup_lr_sweep.best_lrs(runs, "SP"), grid) == 2
+    # a diverged run (inf) is never the best
+    assert mup_lr_sweep.best_lrs(_runs("SP", {32: [float("inf"), 2.0, 1.5]}), "SP") == {32: 2.0}
+
+
+def test_dry_run_writes_every_run_once_and_resumes(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = mup_lr_sweep.main(["--dry", "--out", str(out)])
+    runs = json.loads(out.with_suffix(".json").read_text())
+    assert sorted((r["parametrization"], r["width"], r["lr_mult"]) for r in runs) == sorted(
+        (p, w, m) for p in ("muP", "SP") for w in (32, 64) for m in (0.5, 1.0, 2.0))
+    assert all(r["final"] > 0 and r["heldout"] > 0 for r in runs)
+    md = out.with_suffix(".md").read_text()
+    assert "## muP" in md and "## SP" in md and "grid point(s) from width 32 to 64" in md
+    assert code == (0 if mup_lr_sweep.spread(mup_lr_sweep.best_lrs(runs, "muP"), [0.5, 1.0, 2.0]) <= 1 else 1)
+    capsys.readouterr()
+    mup_lr_sweep.main(["--dry", "--out", str(out)])  # everything is there: no run again
+    assert "final" not in capsys.readouterr().out.split("# muP lr transfer")[0]
+    assert len(json.loads(out.with_suffix(".json").read_text())) == len(runs)
