@@ -238,6 +238,7 @@ def test_injected_nans_skip_their_steps_and_the_limit_stops_training(tmp_path):
                     "--validation.no-enable", "--optimizer.inject_nan_steps", "2", "4", "5",
                     "--optimizer.consecutive_nan_limit", "2", *MOVING_LR, fails=True)
     assert "NonFiniteTrainingError: 2 consecutive training steps (through step 5)" in log
+    assert "Root Cause (first observed failure)" in log  # a failure during training keeps torchrun's report
     assert "optimizer.consecutive_nan_limit = 2" in log
     assert "step 2: non-finite loss or gradient; optimizer step skipped" in log
     folder = run / "checkpoint"

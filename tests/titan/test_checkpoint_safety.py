@@ -467,6 +467,16 @@ def test_second_run_stops_in_one_line_and_sigterm_saves_a_checkpoint_that_resume
     resumed = _run(dump, "--training.steps", str(step + 1))
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert f"Training starts at step {step + 1}" in resumed.stdout + resumed.stderr
+    # the preflight's schedule check: step + 1 is the last step of a (step + 1)-step schedule, at
+    # its minimum, where the 40-step run would have been near its peak
+    from hymo_recipes.scheduler import WSDSchedule
+
+    def factor(total):  # the debug config's schedule: warmup 0.1, stable 0.75, decay 0.15
+        return WSDSchedule.from_fractions(total, 0.1, 0.75, 0.15).factor(step + 1)
+
+    was, now = factor(40), factor(step + 1)
+    assert (f"resuming at step {step + 1} with a schedule of {step + 1} steps changes the learning rate there "
+            f"from {was:.4g} to {now:.4g} × the peak") in resumed.stdout + resumed.stderr
 
 
 @pytest.mark.slow
