@@ -523,15 +523,14 @@ def main(argv: list[str] | None = None) -> int:
         del runner, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(table(rows))
     elem = torch.finfo(dtype).bits // 8
-    print(f"Per-sequence cache, computed ({n_layers_note(hargs)}; {elem}-byte activations, fp32 GDN states):")
-    print(cache_table(hargs, args.contexts, elem))
     for r in rows:  # the formula against the caches the runs held after their prefill
         want = cache_per_sequence(hargs, r.context, elem)["hymo"] * r.batch / 2**20
         if r.model == "hymo" and math.isfinite(r.cache_mib) and abs(r.cache_mib - want) > 1e-6 * want:
             r.note = f"failed: cache {r.cache_mib:.3f} MiB, computed {want:.3f}"
-            print(f"decode_bench: hymo batch {r.batch} context {r.context}: {r.note}")
+    print(table(rows))
+    print(f"Per-sequence cache, computed ({n_layers_note(hargs)}; {elem}-byte activations, fp32 GDN states):")
+    print(cache_table(hargs, args.contexts, elem))
     if len(counts) == 2:
         print(f"parameters: hymo {counts['hymo'][0]:,} ({counts['hymo'][1]:,} without MTP), hf {counts['hf'][0]:,}")
     bad = [r for r in rows if not math.isfinite(r.decode_ms) or "FAILED" in r.note or r.note.startswith(("failed",

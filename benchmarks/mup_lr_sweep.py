@@ -26,8 +26,8 @@ repeated: a call cut by a time limit resumes), then ``<out>.md`` (per parametriz
 (final loss against lr, one line per width, a panel per parametrization).
 
 Criterion (the issue's): under muP the best lr moves by at most one grid point from the narrowest
-to the widest width; without muP it moves more. Exit 0 when both parametrizations ran and muP
-meets it, 1 otherwise.
+to the widest width; without muP it moves. Exit 0 when both parametrizations ran, muP's best lr
+spans at most one grid point and SP's at least one; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def best_lrs(results: list[dict], parametrization: str) -> dict[int, float]:
     """{width: the lr multiplier of the lowest ``final``} over the runs of one parametrization."""
     best: dict[int, tuple[float, float]] = {}
     for r in results:
-        if r["parametrization"] != parametrization:
-            continue
+        if r["parametrization"] != parametrization or not math.isfinite(r["final"]):
+            continue  # a width whose every run diverged has no best lr
         w, loss = r["width"], r["final"]
         if w not in best or loss < best[w][0]:
             best[w] = (loss, r["lr_mult"])
@@ -157,7 +157,7 @@ def markdown(results: list[dict], grid: list[float], meta: str) -> str:
             for m in grid:
                 r = by.get((w, m))
                 cells.append("–" if r is None else f"{r['final']:.4f} ({r['heldout']:.4f})")
-            lines.append(f"| {w} | " + " | ".join(cells) + f" | x {best[w]:g} |")
+            lines.append(f"| {w} | " + " | ".join(cells) + (f" | x {best[w]:g} |" if w in best else " | – |"))
         lines.append(f"\nBest lr spans {spread(best, grid)} grid point(s) from width {widths[0]} to {widths[-1]}.\n")
     return "\n".join(lines)
 
@@ -275,7 +275,10 @@ def main(argv=None) -> int:
     have = {r["parametrization"] for r in results}
     if have != set(PARAMETRIZATIONS):
         return 1
-    return 0 if spread(best_lrs(results, "muP"), grid) <= 1 else 1
+    mup, sp = spread(best_lrs(results, "muP"), grid), spread(best_lrs(results, "SP"), grid)
+    print(f"mup_lr_sweep: best lr spans {mup} grid point(s) with muP, {sp} without: "
+          f"{'transfers' if mup <= 1 and sp >= 1 else 'criterion not met'}")
+    return 0 if mup <= 1 and sp >= 1 else 1
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ def test_best_lr_and_its_spread_in_grid_points():
     assert mup_lr_sweep.best_lrs(runs, "SP") == {32: 0.5, 64: 2.0}
     assert mup_lr_sweep.spread(mup_lr_sweep.best_lrs(runs, "muP"), grid) == 0
     assert mup_lr_sweep.spread(mup_lr_sweep.best_lrs(runs, "SP"), grid) == 2
-    # a diverged run (inf) is never the best
-    assert mup_lr_sweep.best_lrs(_runs("SP", {32: [float("inf"), 2.0, 1.5]}), "SP") == {32: 2.0}
+    # a diverged run (inf) is never the best; a width where every run diverged has none
+    inf = float("inf")
+    assert mup_lr_sweep.best_lrs(_runs("SP", {32: [inf, 2.0, 1.5], 64: [inf, inf, inf]}), "SP") == {32: 2.0}
 
 
 def test_dry_run_writes_every_run_once_and_resumes(tmp_path, capsys):
@@ -32,7 +33,9 @@ def test_dry_run_writes_every_run_once_and_resumes(tmp_path, capsys):
     assert all(r["final"] > 0 and r["heldout"] > 0 for r in runs)
     md = out.with_suffix(".md").read_text()
     assert "## muP" in md and "## SP" in md and "grid point(s) from width 32 to 64" in md
-    assert code == (0 if mup_lr_sweep.spread(mup_lr_sweep.best_lrs(runs, "muP"), [0.5, 1.0, 2.0]) <= 1 else 1)
+    spans = [mup_lr_sweep.spread(mup_lr_sweep.best_lrs(runs, p), [0.5, 1.0, 2.0]) for p in ("muP", "SP")]
+    assert code == (0 if spans[0] <= 1 and spans[1] >= 1 else 1)
+    assert f"best lr spans {spans[0]} grid point(s) with muP, {spans[1]} without" in capsys.readouterr().out
     capsys.readouterr()
     mup_lr_sweep.main(["--dry", "--out", str(out)])  # everything is there: no run again
     assert "final" not in capsys.readouterr().out.split("# muP lr transfer")[0]

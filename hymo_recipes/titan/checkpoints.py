@@ -367,6 +367,7 @@ class SaveGuard:
         self.identity = run_identity(config)
         self.signal: int | None = None
         self.stopped_at: int | None = None
+        self.saved_steps: set[int] = set()  # whole checkpoints this run wrote (the same on every rank)
         self.on_signal = bool(getattr(getattr(config, "hymo", None), "checkpoint_on_signal", False))
 
     def install(self) -> SaveGuard:
@@ -427,18 +428,20 @@ class SaveGuard:
             logger.warning(note)
             leave_note(note)
 
-    def stop_before(self, step: int) -> str:
-        """Checkpoints step ``step - 1`` (the trainer's state, already rewound to it) because step
-        ``step`` cannot run; says what was saved. A step already whole on disk (a regular save,
-        or the checkpoint this run resumed from) is left as it is."""
+    def stop_before(self, step: int, resumed_from: int = 0) -> str | None:
+        """Checkpoints step ``step - 1`` because step ``step`` cannot run (the trainer's step
+        counter already rewound to it; model, optimizers and schedules are at its end, the data
+        position past the reads of step ``step``); says what was saved, None when nothing was.
+        A step this run saved or resumed from (``resumed_from``) is left as it is: decided from
+        this run's own history, the same on every rank, not from what a rank sees on disk."""
         ck, last = self.ck, step - 1
         if ck.load_only:
-            return "checkpoint.load_only is set: nothing saved"
-        if last < 1:
-            return "no step had been trained: nothing saved"
+            return None
         path = ck._create_checkpoint_id(last)
-        if _has(path, MANIFEST):
+        if last in self.saved_steps or (last == resumed_from and last >= 1):
             return f"checkpoint {path} (step {last}) is on disk"
+        if last < 1:
+            return None
         self._guarded_save(last, False, force=True)
         return f"checkpoint {path} (step {last}) saved"
 
@@ -487,6 +490,7 @@ class SaveGuard:
         if error := self._from_rank0(error):
             logger.error(error)
             raise CheckpointSaveError(error)
+        self.saved_steps.add(step)
 
     def _failure(self, e: BaseException, step: int) -> str | None:
         reason = _disk_full(e, self.ck.folder)

@@ -40,6 +40,7 @@ class HymoTrainer(Trainer):
         return t.to(self.device)
 
     _split_documents = False  # not yet looked up
+    _start_step: int | None = None
 
     def _sync_gradients(self, last: bool) -> None:
         """FSDP's reduce-scatter and reshard after this microbatch's backward only if ``last``."""
@@ -56,20 +57,27 @@ class HymoTrainer(Trainer):
             return 0 if flag else None
         t = torch.tensor([dist.get_rank() + 1 if flag else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item()) - 1 if t.item() else None
+        where = int(t.item())
+        return where - 1 if where else None
 
     def _stop_for_data(self, rank: int) -> None:
         """The data ran out on ``rank`` (the highest such) while this step's microbatches were
-        read: checkpoint the last whole step, say so, end the training loop."""
+        read: checkpoint the last whole step, say so, end the training loop. The sequences read
+        for the untrained step count as read (in the data position and the token count): at most
+        one step of the data's last sequences is never trained."""
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         why = f"dataset {self.job_config.training.dataset} ran out{f' on rank {rank}' if several else ''}"
         step = self.step
         self.step = step - 1  # this step is not trained: the checkpoint is the step before it
         guard = getattr(self, "save_guard", None)
-        saved = guard.stop_before(step) if guard is not None else "checkpointing is off: nothing saved"
-        note = (f"hymo: the training data ran out during step {step} ({why}); step {step} was not trained; "
-                f"{saved}. Add data, lower --training.steps or pass --hymo.allow_data_repeat, then start the "
-                "same command again to resume")
+        saved = guard.stop_before(step, self._start_step - 1) if guard is not None else None
+        if saved is None:
+            tail = ("nothing saved (checkpointing is off or load-only, or no step was trained). Add data, lower "
+                    "--training.steps or pass --hymo.allow_data_repeat")
+        else:
+            tail = (f"{saved}. Add data, lower --training.steps or pass --hymo.allow_data_repeat, then start the "
+                    "same command again to resume")
+        note = f"hymo: the training data ran out during step {step} ({why}); step {step} was not trained; {tail}"
         logger.warning(note)
         checkpoints.leave_note(note)
         raise DataloaderExhaustedError(note)
@@ -78,6 +86,8 @@ class HymoTrainer(Trainer):
         # TorchTitan 0.2.2's Trainer.train_step but for _to_device and the document boundaries
         if self._split_documents is False:
             self._split_documents = documents.splitter(self.job_config, self.tokenizer)
+        if self._start_step is None:
+            self._start_step = self.step  # the first step this process trains (a resume's loaded step + 1)
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         parallel_dims = self.parallel_dims

@@ -349,9 +349,10 @@ def test_signal_handlers_are_left_alone_when_checkpoint_on_signal_is_off(tmp_pat
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_stop_before_a_step_saves_the_step_before_once(tmp_path):
-    """What the train step does when the data runs out: the step before is saved (force), a
-    step already whole on disk is left alone, and before step 1 there is nothing to save."""
+def test_a_stop_before_a_step_saves_the_step_before_once(tmp_path, caplog):
+    """What the train step does when the data runs out: the step before is saved (force); a
+    step this run saved or resumed from is left alone; one an earlier run left is replaced;
+    before step 1 there is nothing to save."""
     guard, trainer, ck = _train(tmp_path / "out", 3)  # steps 2 and 3 saved (every 2nd and the last)
     folder = tmp_path / "out" / "checkpoint"
     manifest = (folder / "step-3" / checkpoints.MANIFEST).read_bytes()
@@ -360,7 +361,13 @@ def test_a_stop_before_a_step_saves_the_step_before_once(tmp_path):
     assert guard.stop_before(6) == f"checkpoint {folder}/step-5 (step 5) saved"  # step 5: not a regular save
     assert (folder / "step-5" / checkpoints.MANIFEST).is_file()
     assert checkpoints.plan_resume(str(folder)).target == 5
-    assert guard.stop_before(1) == "no step had been trained: nothing saved"
+    assert guard.stop_before(1) is None
+    # another run resumed from step 3: its own step is on disk; step 5 is an earlier run's, replaced
+    again = checkpoints.SaveGuard(FakeTrainer(FakeCheckpointer(folder)), _config(tmp_path / "out")).install()
+    assert again.stop_before(4, resumed_from=3) == f"checkpoint {folder}/step-3 (step 3) is on disk"
+    with caplog.at_level("WARNING"):
+        assert again.stop_before(6, resumed_from=3) == f"checkpoint {folder}/step-5 (step 5) saved"
+    assert any(f"replacing {folder}/step-5, left by an earlier run" in r.getMessage() for r in caplog.records)
 
 
 def test_async_checkpointing_is_refused():
@@ -427,8 +434,9 @@ def _env():
 
 
 def _run(dump: Path, *extra: str) -> subprocess.CompletedProcess:
+    # the timeout: a hang (a collective one rank never joins) fails the test instead of the suite
     return subprocess.run(["./run_train.sh", "--job.dump_folder", str(dump), "--validation.no-enable", *extra],
-                          cwd=REPO, env=_env(), capture_output=True, text=True)
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
