@@ -14,7 +14,8 @@ fsdp_sync_once_per_step`` FSDP reduce-scatters and reshards after a step's last 
 
 Data that runs out during a step's reads (a streamed dataset without ``[hymo]
 allow_data_repeat``, on any rank) stops the run before the step computes anything: the ranks
-agree on it (one all-reduce per step when there are several), the step is not trained, the
+agree on it (one all-reduce per step when there are several and the data is streamed without
+looping; a sized or looping dataset needs none), the step is not trained, the
 last whole step is checkpointed (checkpoints.SaveGuard.stop_before) and one line says what
 happened and what to do.
 """
@@ -29,7 +30,18 @@ from torch.distributed.fsdp import FSDPModule
 
 from hymo_recipes.titan import checkpoints, documents
 from hymo_recipes.titan.api import IGNORE_INDEX, DataloaderExhaustedError, Trainer, dist_utils, logger
-from hymo_recipes.titan.dataloader import DataRanOut
+from hymo_recipes.titan.dataloader import DataRanOut, HymoTextDataset
+
+
+def data_can_run_out(dataloader) -> bool:
+    """Whether the training data may end before the run does: not for a dataset that loops
+    (``[hymo] allow_data_repeat``) or a map-style one, whose every rank's shard the preflight
+    sized against the run (data_checks.py). Only then do the ranks agree on it each step (a
+    collective and a host read), the same answer on every rank."""
+    ds = getattr(dataloader, "dataset", None)
+    if isinstance(ds, HymoTextDataset):
+        return not ds.allow_repeat and not ds.map_style
+    return True
 
 
 class HymoTrainer(Trainer):
@@ -41,6 +53,7 @@ class HymoTrainer(Trainer):
 
     _split_documents = False  # not yet looked up
     _start_step: int | None = None
+    _data_can_run_out = True
 
     def _sync_gradients(self, last: bool) -> None:
         """FSDP's reduce-scatter and reshard after this microbatch's backward only if ``last``."""
@@ -88,6 +101,7 @@ class HymoTrainer(Trainer):
             self._split_documents = documents.splitter(self.job_config, self.tokenizer)
         if self._start_step is None:
             self._start_step = self.step  # the first step this process trains (a resume's loaded step + 1)
+            self._data_can_run_out = data_can_run_out(self.dataloader)
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         parallel_dims = self.parallel_dims
@@ -99,13 +113,15 @@ class HymoTrainer(Trainer):
             try:
                 input_dict, labels = next(data_iterator)
             except (DataRanOut, DataloaderExhaustedError):
+                if not self._data_can_run_out:
+                    raise  # a sized dataset the preflight passed: not a case the ranks agree on
                 ran_out = True
                 break
             if self._split_documents is not None:
                 input_dict.update(self._split_documents(input_dict["input"]))
             local_valid_tokens += (labels != IGNORE_INDEX).sum()
             microbatches.append((input_dict, labels))
-        if (rank := self._rank_where(ran_out)) is not None:
+        if self._data_can_run_out and (rank := self._rank_where(ran_out)) is not None:
             self._stop_for_data(rank)
 
         local_valid_tokens = self._to_device(local_valid_tokens)

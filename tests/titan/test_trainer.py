@@ -33,3 +33,24 @@ def test_gpu_move_is_non_blocking_and_exact():
     done.record()
     assert not done.query(), "the copy waited for the GPU"
     assert moved.device.type == "cuda" and torch.equal(moved.cpu(), host)
+
+
+def test_only_a_streamed_dataset_that_does_not_loop_needs_the_ranks_agreement_on_running_out():
+    from types import SimpleNamespace
+
+    from datasets import Dataset, IterableDataset
+
+    from hymo_recipes.titan.dataloader import HymoTextDataset
+    from hymo_recipes.titan.trainer import data_can_run_out
+
+    def loader(data, repeat):
+        ds = object.__new__(HymoTextDataset)  # only what the check reads
+        ds._data, ds.allow_repeat = data, repeat
+        return SimpleNamespace(dataset=ds)
+
+    sized = Dataset.from_dict({"text": ["a", "b"]})
+    stream = IterableDataset.from_generator(lambda: iter([{"text": "a"}]))
+    assert data_can_run_out(loader(stream, False))
+    assert not data_can_run_out(loader(stream, True))
+    assert not data_can_run_out(loader(sized, False))
+    assert data_can_run_out(SimpleNamespace(dataset=None))  # a dataset of another kind: agree to be safe
