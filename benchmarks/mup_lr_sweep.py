@@ -207,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/mup_lr_sweep", help="output prefix (.json, .md, .png)")
+    p.add_argument("--report-only", action="store_true",
+                   help="write .md and .png from the GPU runs already in .json (any machine); run nothing")
     a = p.parse_args(argv)
     dry = a.dry
     widths = a.widths or ([32, 64] if dry else [128, 256, 512, 1024])
@@ -218,6 +220,8 @@ def main(argv=None) -> int:
     if dry:
         device = torch.device("cpu")
         torch.set_num_threads(min(torch.get_num_threads(), 2))
+    elif a.report_only:
+        device = torch.device("cuda")  # only names the runs to report: nothing is put on it
     elif torch.cuda.is_available():
         device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -235,8 +239,9 @@ def main(argv=None) -> int:
     base = dataclasses.replace(hymo_flavors[a.flavor], **overrides)
     cfg = lambda m: optimizer_config(a.optimizer, lr=a.lr * m, normuon_lr=a.normuon_lr * m,  # noqa: E731
                                      normuon_ortho_dtype="float32" if dry else "bfloat16")
-    batches = brown_windows("train", steps * batch, seq, tokenizer_dir, data_dir)
-    heldout = brown_windows("validation", batch, seq, tokenizer_dir, data_dir)
+    if not a.report_only:
+        batches = brown_windows("train", steps * batch, seq, tokenizer_dir, data_dir)
+        heldout = brown_windows("validation", batch, seq, tokenizer_dir, data_dir)
 
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,8 +251,10 @@ def main(argv=None) -> int:
                    batch=batch, seq=seq, layers=base.n_layers, seed=a.seed, max_norm=a.max_norm,
                    base_width=min(widths), device=device.type)
     done = {(r["parametrization"], r["width"], r["lr_mult"]) for r in results if r["setting"] == setting}
+    machine = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}"
+               if not a.report_only else None)
     t0 = time.perf_counter()
-    for par in a.parametrizations:
+    for par in [] if a.report_only else a.parametrizations:
         for w in widths:
             args = model_args_at(base, w, mup=par == "muP", base_width=min(widths))
             for m in grid:
@@ -255,17 +262,17 @@ def main(argv=None) -> int:
                     continue
                 r = run_one(args, batches, heldout, cfg(m), steps=steps, batch=batch, max_norm=a.max_norm,
                             seed=a.seed, device=device)
-                results.append(dict(parametrization=par, width=w, lr_mult=m, setting=setting, **r))
+                results.append(dict(parametrization=par, width=w, lr_mult=m, setting=setting, machine=machine, **r))
                 store.write_text(json.dumps(results, indent=1) + "\n")
                 print(f"mup_lr_sweep: {par} width {w} lr x {m:g}: final {r['final']:.4f}, held-out "
                       f"{r['heldout']:.4f} ({r['seconds']:.1f} s)", flush=True)
     results = [r for r in results if r["setting"] == setting]
     grid = sorted(set(grid) | {r["lr_mult"] for r in results})  # runs of earlier calls' grids too
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    machines = "; ".join(sorted({r.get("machine") or "GPU" for r in results}))
     meta = (f"Flavor {a.flavor} at widths {widths} (muP base width {min(widths)}), {base.n_layers} layers, vocab "
             f"{vocab}; {a.optimizer} (NorMuon lr {a.normuon_lr}, AdamW lr {a.lr}) x the multiplier, WSD "
             f"2/83/15 %, clipping {a.max_norm}; {steps} steps of {batch} x {seq} Brown tokens, seed {a.seed}; "
-            f"{device_name}, torch {torch.__version__}; this call {time.perf_counter() - t0:.0f} s. Command: "
+            f"{machines}; this call {time.perf_counter() - t0:.0f} s. Command: "
             "python -m benchmarks.mup_lr_sweep " + " ".join(argv if argv is not None else sys.argv[1:]))
     text = markdown(results, grid, meta)
     out.with_suffix(".md").write_text(text + "\n")

@@ -40,3 +40,12 @@ def test_dry_run_writes_every_run_once_and_resumes(tmp_path, capsys):
     mup_lr_sweep.main(["--dry", "--out", str(out)])  # everything is there: no run again
     assert "final" not in capsys.readouterr().out.split("# muP lr transfer")[0]
     assert len(json.loads(out.with_suffix(".json").read_text())) == len(runs)
+    # the report alone, from the runs stored (as after a call cut by its time limit)
+    out.with_suffix(".md").unlink()
+    table = md.split("Command:")[0].rsplit("this call", 1)[0]
+    assert mup_lr_sweep.main(["--dry", "--out", str(out), "--report-only"]) == code
+    again = out.with_suffix(".md").read_text()
+    assert again.split("Command:")[0].rsplit("this call", 1)[0] == table
+    assert md.split("Command:")[1].split("\n", 1)[1] == again.split("Command:")[1].split("\n", 1)[1]
+    assert len(json.loads(out.with_suffix(".json").read_text())) == len(runs)
+    assert all(r["machine"].startswith("CPU, torch ") for r in runs)

@@ -81,6 +81,12 @@ class HymoModelArgs:
     moe_mixed_precision: bool = True  # expert matmuls in the expert weights' dtype
     moe_use_grouped_mm: bool = True  # torch._grouped_mm on CUDA for bf16; per-expert loop otherwise
 
+    # Training's readout and loss: with labels the forward returns the heads' cross-entropy
+    # computed this many tokens at a time, each chunk's gradient taken in the forward
+    # (model/linear_ce.py), so no head's [B, T, vocab] logits are kept; 0 = the forward returns
+    # the logits and the loss function computes the cross-entropy. Memory and time, not results.
+    fused_loss_chunk: int = 8192
+
     # MTP
     mtp_depth: int = 2
     mtp_loss_weights: tuple[float, ...] = (0.3, 0.1)
@@ -168,6 +174,8 @@ class HymoModelArgs:
         if not 0 <= self.moe_balance_band < 1:
             raise ValueError(f"moe_balance_band must lie in [0, 1), got {self.moe_balance_band}")
 
+        if self.fused_loss_chunk < 0:
+            raise ValueError(f"fused_loss_chunk must be >= 0 (0 = full logits), got {self.fused_loss_chunk}")
         if self.mup_base_width < 0:
             raise ValueError(f"mup_base_width must be >= 0 (0 = muP off), got {self.mup_base_width}")
 
@@ -187,8 +195,8 @@ class HymoModelArgs:
 
         Takes the longest sequence run (``training.seq_len``, ``validation.seq_len``) as
         ``max_seq_len`` and applies the ``[hymo]`` knobs that name model fields (``vocab_size``,
-        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``, ``gdn_mixer_saves``, ``mup_base_width``; 0,
-        "flavor" or -1 keeps the flavor's), then validates. A pure function of the config: it
+        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``, ``gdn_mixer_saves``, ``fused_loss_chunk``,
+        ``mup_base_width``; 0, "flavor" or -1 keeps the flavor's), then validates. A pure function of the config: it
         reads no file and probes no device. The tokenizer's vocabulary and whether the machine
         can run the backend are settled before the Trainer starts (``hymo_recipes.titan.preflight``).
         """
@@ -208,6 +216,8 @@ class HymoModelArgs:
             for name in ("gdn_backend", "gdn_dot_precision", "gdn_bwd_path", "gdn_mixer_saves"):
                 if getattr(hymo, name) != "flavor":
                     setattr(self, name, getattr(hymo, name))
+            if getattr(hymo, "fused_loss_chunk", -1) >= 0:  # -1 keeps the flavor's
+                self.fused_loss_chunk = hymo.fused_loss_chunk
             if getattr(hymo, "mup_base_width", -1) >= 0:  # -1 keeps the flavor's
                 self.mup_base_width = hymo.mup_base_width
 
@@ -260,6 +270,9 @@ hymo_flavors: dict[str, HymoModelArgs] = {
         mtp_depth=2,
         mtp_loss_weights=(0.3, 0.1),
         mtp_inter_dim=256,
+        # Its logits are small: the reference loss path, whose numbers the README shows (the
+        # fused one agrees to float rounding, which 60 steps of discrete routing amplify).
+        fused_loss_chunk=0,
     ),
     # The 750m structure scaled down (~150M stored with the 64K vocabulary), for one GPU.
     "small": HymoModelArgs(

@@ -11,6 +11,7 @@ derives the boundaries from the batch's BOS tokens, ``documents_of``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import nn
 
 from .args import HymoModelArgs
 from .gdn import GatedDeltaNet
+from .linear_ce import IGNORE_INDEX, ce_chunk, linear_cross_entropy, linear_cross_entropy_reference
 from .mla import MLA, document_attention_mask, precompute_rope_cache
 from .moe import FeedForward, MoE
 from .mtp import MTPHead
@@ -54,6 +56,14 @@ def positions_in_documents(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     idx = torch.arange(T, device=cu_seqlens.device)
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)
     return idx - starts
+
+
+class HeadLosses(NamedTuple):
+    """What the forward returns when given labels: per head (main first, then MTP head 1, 2, ...)
+    the sum of its cross-entropy over its valid targets and their count, both fp32 [1 + mtp_depth]."""
+
+    sums: torch.Tensor
+    counts: torch.Tensor
 
 
 def _out_std(init_std: float, depth: int) -> float:
@@ -127,6 +137,9 @@ class HymoModel(nn.Module):
 
     ``forward(tokens)`` returns ``(logits, mtp_logits)``: logits [B, T, V] and a list of
     mtp_depth tensors [B, T, V] (empty if mtp_depth = 0), see mtp.py for their alignment.
+    ``forward(tokens, labels=labels)`` returns their cross-entropy instead (``HeadLosses``),
+    through ``linear_cross_entropy`` in chunks of ``fused_loss_chunk`` tokens: no head's full
+    logits are ever held (training's path when ``fused_loss_chunk`` > 0).
     The output head is the embedding matrix (tied); there is no separate output weight.
     A plain ``nn.Module``: TorchTitan's Trainer needs ``HymoModel(args)`` (built on the meta
     device), ``init_weights(buffer_device=)`` and ``forward``, and iterates ``layers``.
@@ -145,6 +158,7 @@ class HymoModel(nn.Module):
             block = MLABlock if i in model_args.mla_layers else GDNBlock
             self.layers[str(i)] = block(i, model_args)
         self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.loss_chunk_fn = ce_chunk  # the fused loss's per-chunk work (parallelize may compile it)
         self.mtp_heads = nn.ModuleDict(
             {str(k): MTPHead(model_args.dim, model_args.mtp_inter_dim, model_args.norm_eps)
              for k in range(1, model_args.mtp_depth + 1)}
@@ -173,8 +187,9 @@ class HymoModel(nn.Module):
             apply_mup_init(self)
 
     def forward(
-        self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | HeadLosses:
         """
         Args:
             tokens: [B, T] token ids.
@@ -183,11 +198,16 @@ class HymoModel(nn.Module):
             positions: [B·T] each token's index in its document, as ``positions_in_documents``
                 gives it; callers that computed it on the host pass it (computing it here
                 reads cu_seqlens on the host, a synchronisation on the GPU). With cu_seqlens only.
+            labels: [B, T] next-token targets (IGNORE_INDEX where there is none): return the
+                heads' cross-entropy sums instead of their logits. Head k scores position t
+                against labels[:, t + k] (``mtp.shift_for_head``).
 
         Returns:
-            logits [B, T, V] and the list of MTP logits [B, T, V].
+            logits [B, T, V] and the list of MTP logits [B, T, V]; with labels, ``HeadLosses``.
         """
         B, T = tokens.shape
+        if labels is not None and labels.shape != tokens.shape:
+            raise ValueError(f"labels must be shaped like tokens {tuple(tokens.shape)}, got {tuple(labels.shape)}")
         if T > self.model_args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.model_args.max_seq_len}")
         attn_mask = None
@@ -213,16 +233,30 @@ class HymoModel(nn.Module):
             h = layer(h, self.rope_cache, cu_seqlens, positions, mask)
         if cu_seqlens is not None:
             h = h.view(B, T, -1)
-        head = self.tok_embeddings.weight
+        # each head's readout input, then its output, head after head (the main head first)
+        heads = [self.norm, *self.mtp_heads.values()]
+        if labels is not None:
+            return self._head_losses(h, heads, labels)
+        logits = [F.linear(self._readout_input(head, h), self.tok_embeddings.weight) for head in heads]
+        return logits[0], logits[1:]
+
+    def _readout_input(self, head: nn.Module, h: torch.Tensor) -> torch.Tensor:
         mult = self.logit_multiplier
-        if mult == 1.0:
-            logits = F.linear(self.norm(h), head)
-            mtp_logits = [F.linear(mtp(h), head) for mtp in self.mtp_heads.values()]
-        else:  # muP's readout multiplier on the tied head, applied to its input (the same logits up to
-            # rounding, for dim multiplications per token instead of vocab_size)
-            logits = F.linear(self.norm(h) * mult, head)
-            mtp_logits = [F.linear(mtp(h) * mult, head) for mtp in self.mtp_heads.values()]
-        return logits, mtp_logits
+        # muP's readout multiplier on the tied head, applied to its input (the same logits up to
+        # rounding, for dim multiplications per token instead of vocab_size)
+        return head(h) * mult if mult != 1.0 else head(h)
+
+    def _head_losses(self, h: torch.Tensor, heads: list[nn.Module], labels: torch.Tensor) -> HeadLosses:
+        chunk, weight = self.model_args.fused_loss_chunk, self.tok_embeddings.weight
+        sums, counts = [], []
+        for k, head in enumerate(heads):
+            r = self._readout_input(head, h)
+            # head k's targets at every position: labels shifted by k, none for the last k
+            targets = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX) if k else labels
+            sums.append(linear_cross_entropy(r, weight, targets, chunk, self.loss_chunk_fn) if chunk
+                        else linear_cross_entropy_reference(r, weight, targets))
+            counts.append((targets != IGNORE_INDEX).sum())
+        return HeadLosses(torch.stack(sums), torch.stack(counts).float())
 
     @property
     def logit_multiplier(self) -> float:

@@ -52,6 +52,12 @@ class Hymo:
     7.5 GiB more per 8 x 4096-token microbatch; each mixer's fwd+bwd 5 % faster), or "flavor" to
     keep the flavor's. Measured: BENCHMARKS.md. It changes no result, and the PyTorch paths
     (gdn_backend other than "triton") take either value: they keep what autograd keeps."""
+    fused_loss_chunk: int = -1
+    """Training's readout and cross-entropy in chunks of this many tokens, each chunk's gradient
+    taken in the forward (hymo_recipes/model/linear_ce.py): no head's [batch, seq, vocab] logits
+    and log-probabilities are kept for the backward. 0: the model returns full logits and the
+    loss function computes the cross-entropy; -1 keeps the flavor's (8,192 in every shipped
+    flavor). The same losses up to the order of float additions; memory and time: BENCHMARKS.md."""
     mup_base_width: int = -1
     """muP (hymo_recipes/mup.py): the base width at which init and lrs were tuned; the model's
     dim is the target. 0 turns muP off, -1 keeps the flavor's (off in every shipped flavor).

@@ -4,7 +4,9 @@ TorchTitan calls ``loss_fn(pred, labels)`` once per microbatch, expects a **sum*
 and divides it by the global number of main-head labels != -100 (all microbatches, all
 data-parallel ranks). HyMo's ``pred`` is ``(logits, mtp_logits)``: head k (1-based) at
 position t predicts ``labels[:, t + k]``, so it scores ``mtp_logits[k-1][:, :T-k]`` against
-``labels[:, k:]`` and has fewer valid targets than the main head.
+``labels[:, k:]`` and has fewer valid targets than the main head. With ``fused_loss_chunk`` > 0
+the trainer hands the model the labels and ``pred`` is the model's ``HeadLosses``: those sums
+and counts, computed in chunks without full logits (hymo_recipes/model/linear_ce.py).
 
 Returned sum = CE_main_sum + sum_k w_k * CE_k_sum * (n_main / n_k), with n_* the microbatch's
 valid-target counts. After TorchTitan's division by the global main count N_main, the MTP term
@@ -23,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from hymo_recipes.model.model import HeadLosses
 from hymo_recipes.model.mtp import shift_for_head
 from hymo_recipes.titan.api import IGNORE_INDEX, logger
 from hymo_recipes.titan.metrics import StepStats
@@ -69,11 +72,17 @@ class MTPLoss:
         self._training = True
 
     def __call__(self, pred, labels: torch.Tensor) -> torch.Tensor:
-        logits, mtp_logits = pred
-        if len(mtp_logits) != len(self.weights) - 1:
-            raise ValueError(f"the model returned {len(mtp_logits)} MTP heads but the loss has "
+        if isinstance(pred, HeadLosses):  # the model computed them from the labels it was given
+            sums, counts = pred
+            heads = sums.shape[0] - 1
+        else:
+            logits, mtp_logits = pred
+            heads = len(mtp_logits)
+        if heads != len(self.weights) - 1:
+            raise ValueError(f"the model returned {heads} MTP heads but the loss has "
                              f"{len(self.weights) - 1} weights (mtp_loss_weights)")
-        sums, counts = self._head_ce_sums(logits, mtp_logits, labels)
+        if not isinstance(pred, HeadLosses):
+            sums, counts = self._head_ce_sums(logits, mtp_logits, labels)
         if not self._training:
             return sums[0]
         self.stats.add_head_losses(sums.detach(), counts)

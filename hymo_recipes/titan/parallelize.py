@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from hymo_recipes.model.linear_ce import ce_chunk
 from hymo_recipes.nonfinite_probe import NonfiniteProbe
 from hymo_recipes.titan.api import TORCH_DTYPE_MAP, apply_ac, logger
 
@@ -65,6 +66,9 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                  op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
     if compile_model:
         apply_compile(model, job_config.compile.backend)
+    if job_config.compile.enable and "loss" in job_config.compile.components and model.model_args.fused_loss_chunk:
+        # the fused readout + cross-entropy's per-chunk elementwise work (hymo_recipes/model/linear_ce.py)
+        model.loss_chunk_fn = torch.compile(ce_chunk, backend=job_config.compile.backend, dynamic=False)
     if hymo is not None and hymo.nonfinite_probe:
         # After compile (it watches compiled blocks as wholes), before FSDP: its hooks must run
         # before FSDP's post-forward reshard, so that an eager replay sees whole parameters.

@@ -11,6 +11,8 @@ TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as bef
 ``[hymo] document_masking`` each microbatch's document boundaries are added to its inputs on
 the host, before the copy (hymo_recipes/titan/documents.py). With ``[hymo]
 fsdp_sync_once_per_step`` FSDP reduce-scatters and reshards after a step's last microbatch only.
+With the model's ``fused_loss_chunk`` > 0 the labels go to the model too, which then returns the
+heads' cross-entropy sums instead of their logits (hymo_recipes/model/linear_ce.py).
 
 Data that runs out during a step's reads (a streamed dataset without ``[hymo]
 allow_data_repeat``, on any rank) stops the run before the step computes anything: the ranks
@@ -133,6 +135,7 @@ class HymoTrainer(Trainer):
 
         accumulated_losses = []
         sync_once = getattr(getattr(self.job_config, "hymo", None), "fsdp_sync_once_per_step", False)
+        fused_loss = getattr(self.model_args, "fused_loss_chunk", 0) > 0
         for i, (input_dict, labels) in enumerate(microbatches):
             if sync_once:
                 self._sync_gradients(last=i == len(microbatches) - 1)
@@ -140,6 +143,8 @@ class HymoTrainer(Trainer):
                 if isinstance(v, torch.Tensor):
                     input_dict[k] = self._to_device(v)
             labels = self._to_device(labels)
+            if fused_loss:  # the model computes the heads' cross-entropy itself (model/linear_ce.py)
+                input_dict["labels"] = labels
             loss = self.forward_backward_step(input_dict=input_dict, labels=labels,
                                               global_valid_tokens=global_valid_tokens)
             accumulated_losses.append(loss.detach())

@@ -1,0 +1,97 @@
+"""The readout and its cross-entropy in chunks of tokens, never holding a whole head's logits.
+
+``linear_cross_entropy(h, weight, targets, chunk)`` is ``F.cross_entropy(F.linear(h, weight)
+.float(), targets, reduction="sum", ignore_index=IGNORE_INDEX)`` (``linear_cross_entropy_reference``)
+computed ``chunk`` tokens at a time. When a gradient is wanted, each chunk's gradient is taken in
+the forward, while its logits exist (softmax − one-hot, zero on ignored targets; the gradients
+of h and of the weight by two matmuls), so the forward keeps only dh [N, D] and dW [V, D] for the
+backward instead of [N, V] logits and log-probabilities. The backward scales them by the
+incoming gradient of the sum, which is all a sum's gradient can be. That is valid because the
+sum is used once: a training loss that is a weighted sum of such sums, backpropagated once.
+
+Numerics follow the reference: logits in h's dtype (the matmul accumulates in fp32), the
+softmax and the loss in fp32, the logits' gradient rounded to h's dtype before its two matmuls;
+dW is summed over the chunks in fp32 (or the weight's dtype if wider). The per-chunk elementwise work is ``ce_chunk`` or what the
+caller passes instead (the parallelize function hands the model a compiled ``ce_chunk``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # TorchTitan's (a target that counts for nothing)
+
+
+def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sum of the chunk's CE over targets != IGNORE_INDEX as fp32, d sum / d logits in logits'
+    dtype or None); logits [c, V], targets [c]."""
+    x = logits.float()
+    valid = targets != IGNORE_INDEX
+    t = torch.where(valid, targets, 0)[:, None]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    loss = torch.where(valid, (lse - x.gather(1, t)).squeeze(1), 0.0).sum()
+    if not want_grad:
+        return loss, None
+    onehot = torch.zeros_like(x).scatter_(1, t, 1.0)
+    grad = (torch.exp(x - lse) - onehot) * valid[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, chunk_fn
+                ) -> torch.Tensor:
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want = want_h or want_w
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        dh = torch.empty_like(h) if want_h else None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # dW's sum over the chunks: fp32 at least
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        for start in range(0, h.shape[0], chunk):
+            hc = h[start:start + chunk]
+            loss, grad = chunk_fn(hc @ weight.t(), targets[start:start + chunk], want)
+            total += loss
+            if want_h:
+                torch.matmul(grad, weight, out=dh[start:start + chunk])
+            if want_w:
+                dw += grad.t() @ hc
+        ctx.save_for_backward(dh, dw)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        dh, dw = ctx.saved_tensors
+        # the scale applied in fp32: rounded to bf16 first it would bias every gradient alike
+        return ((dh.float() * grad_total).to(dh.dtype) if dh is not None else None,
+                (dw * grad_total).to(ctx.weight_dtype) if dw is not None else None, None, None, None)
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                         chunk_fn=ce_chunk) -> torch.Tensor:
+    """Sum over the targets != IGNORE_INDEX of the cross-entropy of ``h @ weight.T``, as fp32 [].
+
+    Args:
+        h: [N, D] the readout's input (any leading shape is flattened).
+        weight: [V, D] the readout.
+        targets: [N] int64 class indices or IGNORE_INDEX.
+        chunk: tokens per chunk (> 0); the peak extra memory is a few [chunk, V] tensors.
+        chunk_fn: ``ce_chunk`` or a function that computes the same (e.g. it, compiled).
+    """
+    if chunk <= 0:
+        raise ValueError(f"linear_cross_entropy: chunk must be positive, got {chunk}")
+    h = h.reshape(-1, h.shape[-1])
+    targets = targets.reshape(-1)
+    if targets.shape[0] != h.shape[0]:
+        raise ValueError(f"linear_cross_entropy: {h.shape[0]} rows of h but {targets.shape[0]} targets")
+    if h.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: h has {h.shape[-1]} features, the weight {weight.shape[-1]}")
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk, chunk_fn)
+
+
+def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same sum through full logits (what the loss function computes without chunking)."""
+    logits = F.linear(h.reshape(-1, h.shape[-1]), weight)
+    return F.cross_entropy(logits.float(), targets.reshape(-1), reduction="sum", ignore_index=IGNORE_INDEX)
