@@ -53,8 +53,10 @@ REPO = Path(__file__).resolve().parents[1]
 PARAMETRIZATIONS = ("muP", "SP")
 
 
-def brown_windows(split: str, n: int, seq: int, tokenizer_dir: Path, data_dir: Path) -> torch.Tensor:
-    """The first ``n`` windows of seq + 1 tokens of the split's documents, each framed by BOS/EOS."""
+def brown_windows(split: str, n: int, seq: int, tokenizer_dir: Path, data_dir: Path, repeat: bool = False
+                  ) -> torch.Tensor:
+    """The first ``n`` windows of seq + 1 tokens of the split's documents, each framed by BOS/EOS;
+    ``repeat``: the split read again from its start as often as ``n`` needs (else too few is an error)."""
     import pyarrow.parquet as pq
 
     from hymo_recipes.titan.datasets import load_tokenizer
@@ -66,6 +68,8 @@ def brown_windows(split: str, n: int, seq: int, tokenizer_dir: Path, data_dir: P
         ids += tok.encode(text, add_bos=True, add_eos=True)
         if len(ids) >= need:
             break
+    if repeat and ids and len(ids) < need:
+        ids = ids * -(-need // len(ids))
     if len(ids) < need:
         raise ValueError(f"the {split} split holds {len(ids):,} tokens, the sweep needs {need:,}: fewer "
                          "--steps, a smaller --batch or --seq")
@@ -86,8 +90,9 @@ def losses(model, tokens: torch.Tensor, weights) -> tuple[torch.Tensor, torch.Te
 
 
 def run_one(args, batches: torch.Tensor, heldout: torch.Tensor, opt_cfg, *, steps: int, batch: int,
-            max_norm: float, seed: int, device: torch.device) -> dict:
-    """One training run; {"final": ..., "heldout": ..., "seconds": ...}."""
+            max_norm: float, seed: int, device: torch.device, curve: bool = False) -> dict:
+    """One training run; {"final": ..., "heldout": ..., "seconds": ...}, and with ``curve`` the
+    main-head CE of every step ("curve", read once at the end: no host sync per step)."""
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     with torch.device(device):
@@ -111,15 +116,19 @@ def run_one(args, batches: torch.Tensor, heldout: torch.Tensor, opt_cfg, *, step
             o.step()
         for s in scheds:
             s.step()
-        if step >= steps - tail:
+        if curve or step >= steps - tail:
             mains.append(main.detach())
-    final = float(torch.stack(mains).mean())
+    every = torch.stack(mains).float().cpu()
+    final = float(every[-tail:].mean())
     model.eval()
     with torch.no_grad():
         held = float(losses(model, heldout.to(device), args.mtp_loss_weights)[1])
     bad = not (math.isfinite(final) and math.isfinite(held))
-    return {"final": math.inf if bad else final, "heldout": math.inf if bad else held,
-            "seconds": time.perf_counter() - t0}
+    out = {"final": math.inf if bad else final, "heldout": math.inf if bad else held,
+           "seconds": time.perf_counter() - t0}
+    if curve:
+        out["curve"] = [round(float(v), 5) for v in every]
+    return out
 
 
 def best_lrs(results: list[dict], parametrization: str) -> dict[int, float]:

@@ -49,3 +49,19 @@ def test_dry_run_writes_every_run_once_and_resumes(tmp_path, capsys):
     assert md.split("Command:")[1].split("\n", 1)[1] == again.split("Command:")[1].split("\n", 1)[1]
     assert len(json.loads(out.with_suffix(".json").read_text())) == len(runs)
     assert all(r["machine"].startswith("CPU, torch ") for r in runs)
+
+
+def test_report_only_needs_no_gpu_for_stored_gpu_runs(tmp_path, capsys):
+    """The default (GPU) settings' runs, stored by a GPU call, reported on this CPU machine."""
+    setting = dict(flavor="small", optimizer="NorMuon", lr=3e-4, normuon_lr=0.02, steps=200, batch=8, seq=512,
+                   layers=16, seed=0, max_norm=1.0, base_width=128, device="cuda")
+    runs = [dict(parametrization=p, width=w, lr_mult=m, setting=setting, machine="NVIDIA H200, torch 2.11.0+cu130",
+                 final=6.0 + abs(m - (1.0 if p == "muP" else w / 256)) + w / 1e4, heldout=6.5, seconds=30.0)
+            for p in ("muP", "SP") for w in (128, 256, 512, 1024) for m in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    out = tmp_path / "sweep"
+    out.with_suffix(".json").write_text(json.dumps(runs))
+    assert mup_lr_sweep.main(["--out", str(out), "--report-only"]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert "NVIDIA H200, torch 2.11.0+cu130" in md and "## SP" in md
+    assert "best lr spans 0 grid point(s) with muP, 3 without: transfers" in capsys.readouterr().out
+    assert json.loads(out.with_suffix(".json").read_text()) == runs  # nothing ran, nothing added

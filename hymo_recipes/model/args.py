@@ -84,7 +84,7 @@ class HymoModelArgs:
     # Training's readout and loss: with labels the forward returns the heads' cross-entropy
     # computed this many tokens at a time, each chunk's gradient taken in the forward
     # (model/linear_ce.py), so no head's [B, T, vocab] logits are kept; 0 = the forward returns
-    # the logits and the loss function computes the cross-entropy. Memory and time, not results.
+    # the logits and the loss function computes the cross-entropy. The same losses up to float rounding.
     fused_loss_chunk: int = 8192
 
     # MTP

@@ -163,10 +163,10 @@ def activation_bytes(model, config) -> dict:
     probed).
 
     Returns ``{"blocks": {kind: (count, saved bytes of one block)}, "input": one block's input,
-    "heads": final norm + MTP heads + tied head + loss (the logits in fp32 for the cross
-    entropy), "kept": what stays for the backward as activation_checkpoint.mode leaves it,
-    "assumed": how the mode was counted}``. Activation checkpointing: "full" keeps each block's
-    input, plus one block's saved set while it is recomputed in the backward; "selective" with
+    "heads": final norm + MTP heads + tied head + loss (with ``fused_loss_chunk``, the fused
+    readout's kept gradients per head; else the logits in fp32 for the cross entropy), "kept":
+    what stays for the backward as activation_checkpoint.mode leaves it, "assumed": how the mode
+    was counted}``. Activation checkpointing: "full" keeps each block's input, plus one block's saved set while it is recomputed in the backward; "selective" with
     a layer period n (selective_ac_option "n", TorchTitan's count from 1) does that for every
     n-th block and keeps the others whole; per-op selective ("op") is counted as no
     checkpointing, an upper bound (it keeps the saved ops' outputs and recomputes the rest)."""
@@ -194,7 +194,11 @@ def activation_bytes(model, config) -> dict:
         # the root without its blocks: embedding (saves the token ids), final norm, MTP heads, tied head
         head = _probe_copy(model, dtype, memo={id(model.layers): torch.nn.ModuleDict()})
         tokens = torch.empty(B, T, device="meta", dtype=torch.long)
-        heads = _saved_bytes(lambda: head_ce_sums(*head(tokens), tokens), base | _storage_keys(head))
+        if model.model_args.fused_loss_chunk:  # training's path: the model computes the losses
+            run_heads = lambda: head(tokens, labels=tokens)  # noqa: E731
+        else:
+            run_heads = lambda: head_ce_sums(*head(tokens), tokens)  # noqa: E731
+        heads = _saved_bytes(run_heads, base | _storage_keys(head))
     x_bytes = B * T * D * dtype.itemsize
     ac = config.activation_checkpoint
     mode, option = ac.mode, str(getattr(ac, "selective_ac_option", ""))

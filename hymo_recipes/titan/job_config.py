@@ -56,8 +56,8 @@ class Hymo:
     """Training's readout and cross-entropy in chunks of this many tokens, each chunk's gradient
     taken in the forward (hymo_recipes/model/linear_ce.py): no head's [batch, seq, vocab] logits
     and log-probabilities are kept for the backward. 0: the model returns full logits and the
-    loss function computes the cross-entropy; -1 keeps the flavor's (8,192 in every shipped
-    flavor). The same losses up to the order of float additions; memory and time: BENCHMARKS.md."""
+    loss function computes the cross-entropy; -1 keeps the flavor's (8,192 in small and 750m, 0 in
+    the debug model). The same losses up to float rounding; memory and time: BENCHMARKS.md."""
     mup_base_width: int = -1
     """muP (hymo_recipes/mup.py): the base width at which init and lrs were tuned; the model's
     dim is the target. 0 turns muP off, -1 keeps the flavor's (off in every shipped flavor).

@@ -112,6 +112,7 @@ def build_mtp_loss(job_config, *, mtp_loss_weights: Sequence[float], stats: Step
     del kwargs  # parallel_dims: unused
     backend = None
     if job_config.compile.enable and "loss" in job_config.compile.components:
-        logger.info("Compiling the MTP loss with torch.compile")
+        logger.info("Compiling the MTP loss's full-logits path with torch.compile (validation, and training "
+                    "with fused_loss_chunk = 0)")
         backend = job_config.compile.backend
     return MTPLoss(mtp_loss_weights, stats, compile_backend=backend)

@@ -66,9 +66,7 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                  op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
     if compile_model:
         apply_compile(model, job_config.compile.backend)
-    if job_config.compile.enable and "loss" in job_config.compile.components and model.model_args.fused_loss_chunk:
-        # the fused readout + cross-entropy's per-chunk elementwise work (hymo_recipes/model/linear_ce.py)
-        model.loss_chunk_fn = torch.compile(ce_chunk, backend=job_config.compile.backend, dynamic=False)
+    apply_loss_compile(model, job_config)
     if hymo is not None and hymo.nonfinite_probe:
         # After compile (it watches compiled blocks as wholes), before FSDP: its hooks must run
         # before FSDP's post-forward reshard, so that an eager replay sees whole parameters.
@@ -96,6 +94,17 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                 f"{training.mixed_precision_param}, reduction in "
                 f"{training.mixed_precision_reduce}")
     return model
+
+
+def apply_loss_compile(model: nn.Module, job_config) -> bool:
+    """Compiles the fused readout + cross-entropy's per-chunk elementwise work
+    (hymo_recipes/model/linear_ce.py) when compile is on with "loss" among its components and the
+    model computes its loss (``fused_loss_chunk`` > 0); whether it did."""
+    c = job_config.compile
+    if not (c.enable and "loss" in c.components and model.model_args.fused_loss_chunk):
+        return False
+    model.loss_chunk_fn = torch.compile(ce_chunk, backend=c.backend, dynamic=False)
+    return True
 
 
 def reshard_after_forward(policy: str, ranks: int) -> bool:

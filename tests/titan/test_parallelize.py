@@ -55,3 +55,24 @@ def test_reshard_after_forward_policy():
     assert reshard_after_forward("always", 1) and not reshard_after_forward("never", 8)
     with pytest.raises(ValueError, match="default, always or never"):
         reshard_after_forward("sometimes", 2)
+
+
+@pytest.mark.parametrize("enable, components, chunk, compiled", [
+    (True, ["model", "loss"], 8192, True),
+    (False, ["model", "loss"], 8192, False),
+    (True, ["model"], 8192, False),
+    (True, ["model", "loss"], 0, False),
+])
+def test_the_fused_loss_is_compiled_only_when_asked(enable, components, chunk, compiled):
+    import torch
+
+    from hymo_recipes.model.linear_ce import ce_chunk
+    from hymo_recipes.titan.parallelize import apply_loss_compile
+
+    model = SimpleNamespace(model_args=SimpleNamespace(fused_loss_chunk=chunk), loss_chunk_fn=ce_chunk)
+    job = SimpleNamespace(compile=SimpleNamespace(enable=enable, components=components, backend="eager"))
+    assert apply_loss_compile(model, job) is compiled
+    assert (model.loss_chunk_fn is not ce_chunk) is compiled
+    logits, targets = torch.randn(6, 11), torch.tensor([1, 2, -100, 4, 5, 0])
+    for a, b in zip(model.loss_chunk_fn(logits.clone(), targets, True), ce_chunk(logits.clone(), targets, True)):
+        torch.testing.assert_close(a, b)

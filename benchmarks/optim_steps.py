@@ -1,0 +1,266 @@
+"""Steps to a loss: NorMuon + CautiousAdamW against AdamW with its lr tuned, same tokens and seeds.
+
+    python -m benchmarks.optim_steps                       # GPU: hymo_small, 600 steps, tune then 3 seeds
+    python -m benchmarks.optim_steps --steps 1000 --seeds 0 1 2 3
+    python -m benchmarks.optim_steps --report-only         # the table and plot from the stored runs
+    python -m benchmarks.optim_steps --dry                 # CPU: 4 layers at width 64, 12 steps
+
+Each run is ``benchmarks.mup_lr_sweep.run_one`` in this process: the flavor (hymo_small's
+shape, muP off) built and initialised with the run's seed, HyMo's optimizers from its own builder
+(``optimizers_for_part``: the partition table for "NorMuon", TorchTitan's AdamW over every
+parameter for "AdamW"), HyMo's warmup-stable-decay schedule (2 % / 83 % / 15 %), clipping at
+``--max-norm``, fp32 parameters and TF32 matmuls on the GPU (no compile), and ``--steps`` steps of
+``--batch`` × ``--seq`` Brown tokens in the same order for every run (the training split read
+again from its start when the run needs more). The per-step main-head cross-entropy is kept.
+
+1. Tuning, on the first seed: AdamW at each of ``--adamw-lrs``; NorMuon + CautiousAdamW at each of
+   ``--normuon-mults`` × (NorMuon lr 0.02, CautiousAdamW lr 3e-4: the seed's settings at × 1).
+   The best of each = the lowest final loss (mean main-head CE of the last tenth of the steps).
+2. Both best settings at every seed of ``--seeds`` (and NorMuon at × 1, the shipped default, too).
+3. Per seed, the target = that seed's tuned-AdamW final loss, which AdamW reaches at its last
+   step by construction; a NorMuon run's steps to it = the first step whose trailing mean over a
+   window of a tenth of the steps (the final loss's window) is at or below it, and AdamW's own
+   steps the same way (at most ``--steps``). Ratio = the tuned NorMuon runs' mean steps over
+   tuned AdamW's. The issue's goal: ≤ 0.8.
+
+Every finished run is appended to ``<out>.json`` (a call cut by its time limit resumes), then
+``<out>.md`` (the tuning table, the per-seed table, the ratio and the wall time) and ``<out>.png``
+(the smoothed curves of the seeded runs). Exit 0 if the ratio is ≤ ``--goal``, 1 otherwise or
+when runs are missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.mup_coord_check import optimizer_config
+from benchmarks.mup_lr_sweep import REPO, brown_windows, run_one
+from hymo_recipes.model import hymo_flavors
+
+NORMUON_LR, ADAMW_LR = 0.02, 3e-4  # the seed's settings (DESIGN.md §3)
+
+
+def run_key(r: dict) -> tuple:
+    return (r["optimizer"], r["lr"], r["seed"])
+
+
+def trailing_mean(curve: list[float], window: int) -> list[float]:
+    """[mean of curve[max(0, i - window + 1): i + 1] for every i]."""
+    out, acc = [], 0.0
+    for i, v in enumerate(curve):
+        acc += v
+        if i >= window:
+            acc -= curve[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def steps_to(curve: list[float], target: float, window: int) -> int | None:
+    """The first step (1-based) whose trailing mean is at or below ``target``; None if none is."""
+    for i, v in enumerate(trailing_mean(curve, window)):
+        if i + 1 >= window and v <= target:
+            return i + 1
+    return None
+
+
+def best(results: list[dict], optimizer: str, seed: int) -> dict | None:
+    runs = [r for r in results if r["optimizer"] == optimizer and r["seed"] == seed and math.isfinite(r["final"])]
+    return min(runs, key=lambda r: r["final"]) if runs else None
+
+
+def verdict(results: list[dict], seeds: list[int], window: int) -> dict | None:
+    """{"adamw", "normuon", "default": rows, "ratio"} from stored runs, or None if some are missing.
+    Per seed the target is that seed's tuned-AdamW final loss (which AdamW reaches at its last
+    step by construction); a NorMuon row's steps are the steps to it, per seed."""
+    tuned = {name: best(results, name, seeds[0]) for name in ("AdamW", "NorMuon")}
+    if None in tuned.values():
+        return None
+    by_key = {run_key(r): r for r in results}
+    rows = {}
+    for label, name, lr in (("adamw", "AdamW", tuned["AdamW"]["lr"]), ("normuon", "NorMuon", tuned["NorMuon"]["lr"]),
+                            ("default", "NorMuon", 1.0)):
+        runs = [by_key.get((name, lr, s)) for s in seeds]
+        if None in runs:
+            return None
+        rows[label] = dict(optimizer=name, lr=lr, runs=runs)
+    # AdamW's final loss as its own curve gives it (the same arithmetic as the trailing means)
+    targets = [trailing_mean(r["curve"], window)[-1] for r in rows["adamw"]["runs"]]
+    for row in rows.values():
+        row["steps"] = [steps_to(r["curve"], t, window) for r, t in zip(row["runs"], targets)]
+        reached = [s for s in row["steps"] if s is not None]
+        row["mean_steps"] = statistics.fmean(reached) if len(reached) == len(row["steps"]) else None
+        row["final"] = statistics.fmean(r["final"] for r in row["runs"])
+        row["seconds"] = statistics.fmean(r["seconds"] for r in row["runs"])
+    a, n = rows["adamw"]["mean_steps"], rows["normuon"]["mean_steps"]
+    return dict(targets=targets, ratio=None if n is None else n / a, **rows)
+
+
+def markdown(results: list[dict], seeds: list[int], window: int, meta: str) -> str:
+    lines = ["# NorMuon + CautiousAdamW against tuned AdamW: steps to AdamW's final loss", "", meta, "",
+             f"## Tuning (seed {seeds[0]}): final main-head CE (mean of the last {window} steps), held-out CE", "",
+             "| optimizer | lr | final | held-out | seconds |", "|---|---|---|---|---|"]
+    for r in sorted((r for r in results if r["seed"] == seeds[0]), key=lambda r: (r["optimizer"], r["lr"])):
+        lr = f"× {r['lr']:g}" if r["optimizer"] == "NorMuon" else f"{r['lr']:g}"
+        lines.append(f"| {r['optimizer']} | {lr} | {r['final']:.4f} | {r['heldout']:.4f} | {r['seconds']:.0f} |")
+    v = verdict(results, seeds, window)
+    if v is None:
+        lines += ["", "Seeded runs missing: no verdict yet."]
+        return "\n".join(lines)
+    targets = ", ".join(f"{t:.4f}" for t in v["targets"])
+    lines += ["", f"## Seeds {seeds}: per seed the target is tuned AdamW's final loss ({targets})", "",
+              "| run | lr | final (mean) | steps to the target, per seed | mean steps | seconds per run |",
+              "|---|---|---|---|---|---|"]
+    for label in ("adamw", "normuon", "default"):
+        row = v[label]
+        lr = f"× {row['lr']:g}" if row["optimizer"] == "NorMuon" else f"{row['lr']:g}"
+        steps = ", ".join("not reached" if s is None else str(s) for s in row["steps"])
+        mean = "–" if row["mean_steps"] is None else f"{row['mean_steps']:.0f}"
+        name = {"adamw": "AdamW (tuned)", "normuon": "NorMuon + CautiousAdamW (tuned)",
+                "default": "NorMuon + CautiousAdamW (shipped, × 1)"}[label]
+        lines.append(f"| {name} | {lr} | {row['final']:.4f} | {steps} | {mean} | {row['seconds']:.0f} |")
+    ratio = "–" if v["ratio"] is None else f"{v['ratio']:.2f}"
+    lines += ["", f"Steps to tuned AdamW's final loss, NorMuon + CautiousAdamW (tuned) over AdamW (tuned): "
+              f"**{ratio}** (goal ≤ 0.8)."]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], seeds: list[int], window: int, path: Path) -> bool:
+    v = verdict(results, seeds, window)
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    if v is None:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, color in (("adamw", "tab:blue"), ("normuon", "tab:red"), ("default", "tab:orange")):
+        row = v[label]
+        for i, r in enumerate(row["runs"]):
+            name = f"{row['optimizer']} lr {'×' if row['optimizer'] == 'NorMuon' else ''}{row['lr']:g}"
+            ax.plot(range(1, len(r["curve"]) + 1), trailing_mean(r["curve"], window), color=color, alpha=0.8,
+                    lw=1, label=name + (" (shipped)" if label == "default" else "") if i == 0 else None)
+    target = statistics.fmean(v["targets"])
+    ax.axhline(target, color="gray", ls="--", lw=1, label="AdamW's final loss (mean over seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"main-head CE (trailing mean of {window})")
+    ax.set_ylim(target - 0.5, target + 2.5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry", action="store_true", help="CPU: 4 layers at width 64, 12 steps of 2 x 32")
+    p.add_argument("--flavor", default="small", choices=sorted(hymo_flavors))
+    p.add_argument("--steps", type=int, default=None, help="default 600")
+    p.add_argument("--batch", type=int, default=None, help="default 8")
+    p.add_argument("--seq", type=int, default=None, help="default 512")
+    p.add_argument("--adamw-lrs", type=float, nargs="+", default=None, help="default 3e-4 6e-4 1.2e-3 2.4e-3 4.8e-3")
+    p.add_argument("--normuon-mults", type=float, nargs="+", default=None, help="default 0.5 1 2 4")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (the first tunes)")
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--goal", type=float, default=0.8)
+    p.add_argument("--out", default="benchmarks/optim_steps", help="output prefix (.json, .md, .png)")
+    p.add_argument("--report-only", action="store_true", help="write .md and .png from the stored runs; run nothing")
+    a = p.parse_args(argv)
+    dry = a.dry
+    steps = a.steps or (12 if dry else 600)
+    batch, seq = a.batch or (2 if dry else 8), a.seq or (32 if dry else 512)
+    adamw_lrs = a.adamw_lrs or ([1e-3, 4e-3] if dry else [3e-4, 6e-4, 1.2e-3, 2.4e-3, 4.8e-3])
+    mults = a.normuon_mults or ([1.0, 2.0] if dry else [0.5, 1.0, 2.0, 4.0])
+    if 1.0 not in mults:
+        mults = sorted(mults + [1.0])  # the shipped setting is always a row
+    seeds = a.seeds or ([0, 1] if dry else [0, 1, 2])
+    window = max(1, steps // 10)  # run_one's final-loss window
+    if dry:
+        device = torch.device("cpu")
+        torch.set_num_threads(min(torch.get_num_threads(), 2))
+    elif a.report_only:
+        device = torch.device("cuda")  # only names the runs to report
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        p.error("needs a CUDA GPU; --dry runs the code paths on the CPU")
+
+    from hymo_recipes.titan.datasets import load_tokenizer
+
+    tokenizer_dir, data_dir = REPO / "assets" / "tokenizer", REPO / "data" / "brown"
+    vocab = load_tokenizer(str(tokenizer_dir)).get_vocab_size()
+    overrides = dict(vocab_size=vocab, max_seq_len=max(seq, 16), mup_base_width=0,
+                     gdn_backend="triton" if device.type == "cuda" else "torch_chunk")
+    if dry:
+        overrides.update(dim=64, n_layers=4, mla_layers=(3,), nope_layers=(), gdn_n_heads=2, n_heads=2, n_kv_heads=1,
+                         q_lora_rank=32, kv_lora_rank=32, moe_inter_dim=64, mtp_inter_dim=64)
+    args = dataclasses.replace(hymo_flavors[a.flavor], **overrides)
+    setting = dict(flavor=a.flavor, steps=steps, batch=batch, seq=seq, max_norm=a.max_norm, device=device.type,
+                   dry=dry)
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    store = out.with_suffix(".json")
+    stored = json.loads(store.read_text()) if store.exists() else []
+    results = [r for r in stored if r["setting"] == setting]
+    machine = None if a.report_only else (
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}")
+    t0 = time.perf_counter()
+    if not a.report_only:
+        batches = brown_windows("train", steps * batch, seq, tokenizer_dir, data_dir, repeat=True)
+        heldout = brown_windows("validation", batch, seq, tokenizer_dir, data_dir)
+
+        def run(name: str, lr: float, seed: int) -> None:
+            if (name, lr, seed) in {run_key(r) for r in results}:
+                return
+            cfg = (optimizer_config("AdamW", lr=lr) if name == "AdamW"
+                   else optimizer_config("NorMuon", lr=ADAMW_LR * lr, normuon_lr=NORMUON_LR * lr,
+                                         normuon_ortho_dtype="float32" if dry else "bfloat16"))
+            r = run_one(args, batches, heldout, cfg, steps=steps, batch=batch, max_norm=a.max_norm, seed=seed,
+                        device=device, curve=True)
+            results.append(dict(optimizer=name, lr=lr, seed=seed, setting=setting, machine=machine, **r))
+            stored.append(results[-1])
+            store.write_text(json.dumps(stored) + "\n")
+            print(f"optim_steps: {name} lr {'x ' if name == 'NorMuon' else ''}{lr:g} seed {seed}: final "
+                  f"{r['final']:.4f}, held-out {r['heldout']:.4f} ({r['seconds']:.0f} s)", flush=True)
+
+        for lr in adamw_lrs:
+            run("AdamW", lr, seeds[0])
+        for m in mults:
+            run("NorMuon", m, seeds[0])
+        tuned = [(name, best(results, name, seeds[0])["lr"]) for name in ("AdamW", "NorMuon")] + [("NorMuon", 1.0)]
+        for seed in seeds[1:]:
+            for name, lr in dict.fromkeys(tuned):
+                run(name, lr, seed)
+
+    machines = "; ".join(sorted({r.get("machine") or "GPU" for r in results})) or "no runs"
+    meta = (f"Flavor {a.flavor} ({args.n_layers} layers, dim {args.dim}, vocab {vocab}), {steps} steps of {batch} x "
+            f"{seq} Brown tokens (the same order for every run), WSD 2/83/15 %, clipping {a.max_norm}; NorMuon lr "
+            f"{NORMUON_LR} and CautiousAdamW lr {ADAMW_LR} at x 1; {machines}; this call "
+            f"{time.perf_counter() - t0:.0f} s. Command: python -m benchmarks.optim_steps "
+            + " ".join(argv if argv is not None else sys.argv[1:]))
+    text = markdown(results, seeds, window, meta)
+    out.with_suffix(".md").write_text(text + "\n")
+    plotted = plot(results, seeds, window, out.with_suffix(".png"))
+    print(text)
+    print(f"wrote {store}, {out.with_suffix('.md')}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
+    v = verdict(results, seeds, window)
+    return 0 if v is not None and v["ratio"] is not None and v["ratio"] <= a.goal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""benchmarks/optim_steps.py: the steps-to-loss arithmetic, and the CPU dry mode end to end with its resume."""
+
+import json
+
+import pytest
+
+from benchmarks import optim_steps
+
+
+def test_trailing_mean_and_steps_to():
+    curve = [5.0, 4.0, 3.0, 2.0, 1.0]
+    assert optim_steps.trailing_mean(curve, 2) == [5.0, 4.5, 3.5, 2.5, 1.5]
+    assert optim_steps.steps_to(curve, 3.5, 2) == 3  # the first full window at or below 3.5
+    assert optim_steps.steps_to(curve, 5.0, 2) == 2  # a window needs its full length
+    assert optim_steps.steps_to(curve, 1.0, 2) is None
+
+
+def _run(optimizer, lr, seed, curve):
+    return dict(optimizer=optimizer, lr=lr, seed=seed, curve=curve, final=sum(curve[-2:]) / 2, heldout=0.0,
+                seconds=1.0)
+
+
+def test_verdict_is_the_ratio_of_steps_to_each_seeds_adamw_final_loss():
+    # 20 steps, window 2. AdamW (best lr 2e-3) falls linearly to ~1; NorMuon x 2 gets there in
+    # about half the steps, x 1 (the shipped setting) never does
+    adamw = [10 - 0.45 * i for i in range(20)]
+    fast = [10 - 0.9 * i for i in range(10)] + [1.0] * 10
+    results = [_run("AdamW", 1e-3, s, [v + 0.5 for v in adamw]) for s in (0, 1)]
+    results += [_run("AdamW", 2e-3, s, adamw) for s in (0, 1)]
+    results += [_run("NorMuon", 2.0, s, fast) for s in (0, 1)]
+    results += [_run("NorMuon", 1.0, s, [v + 3 for v in adamw]) for s in (0, 1)]
+    v = optim_steps.verdict(results, [0, 1], window=2)
+    assert v["adamw"]["lr"] == 2e-3 and v["normuon"]["lr"] == 2.0
+    target = (adamw[-1] + adamw[-2]) / 2
+    assert v["targets"] == pytest.approx([target, target])
+    assert v["adamw"]["steps"] == [20, 20]
+    n = optim_steps.steps_to(fast, target, 2)
+    assert v["normuon"]["steps"] == [n, n] and n == 11
+    assert v["default"]["steps"] == [None, None] and v["default"]["mean_steps"] is None
+    assert v["ratio"] == pytest.approx(11 / 20)
+    # a seeded run missing: no verdict
+    assert optim_steps.verdict(results[:-1], [0, 1], window=2) is None
+
+
+def test_dry_run_tunes_then_seeds_and_resumes(tmp_path, capsys):
+    out = tmp_path / "os"
+    code = optim_steps.main(["--dry", "--out", str(out)])
+    runs = json.loads(out.with_suffix(".json").read_text())
+    keys = [(r["optimizer"], r["lr"], r["seed"]) for r in runs]
+    tune = {("AdamW", 1e-3, 0), ("AdamW", 4e-3, 0), ("NorMuon", 1.0, 0), ("NorMuon", 2.0, 0)}
+    assert tune <= set(keys) and len(keys) == len(set(keys))
+    best = {n: min((r for r in runs if r["optimizer"] == n and r["seed"] == 0), key=lambda r: r["final"])["lr"]
+            for n in ("AdamW", "NorMuon")}
+    assert set(keys) - tune == {("AdamW", best["AdamW"], 1), ("NorMuon", best["NorMuon"], 1), ("NorMuon", 1.0, 1)}
+    assert all(len(r["curve"]) == 12 and r["machine"].startswith("CPU") for r in runs)
+    md = out.with_suffix(".md").read_text()
+    v = optim_steps.verdict(runs, [0, 1], window=1)
+    assert v is not None and "Steps to tuned AdamW's final loss" in md
+    assert code == (0 if v["ratio"] is not None and v["ratio"] <= 0.8 else 1)
+    capsys.readouterr()
+    assert optim_steps.main(["--dry", "--out", str(out)]) == code  # everything is there: nothing runs again
+    assert "optim_steps: AdamW" not in capsys.readouterr().out
+    assert len(json.loads(out.with_suffix(".json").read_text())) == len(runs)
+    table = md.split("## Tuning")[1]
+    out.with_suffix(".md").unlink()
+    assert optim_steps.main(["--dry", "--out", str(out), "--report-only"]) == code
+    assert out.with_suffix(".md").read_text().split("## Tuning")[1] == table
