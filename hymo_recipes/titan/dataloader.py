@@ -82,6 +82,7 @@ def subtract_ranges(block: tuple[int, int], taken: Ranges) -> Ranges:
 
 
 CHUNK_DOCS = 64  # documents per batch encode of the read-ahead thread
+PASS_END = object()  # in a read-ahead's samples and output: one pass over the data ends here
 
 
 def batch_encoder(tokenizer):
@@ -111,7 +112,8 @@ def batch_encoder(tokenizer):
 
 class ReadAhead:
     """Documents read and tokenized by a background thread, up to ``budget`` tokens ahead of
-    the consumer; iterating yields each document's token ids in order.
+    the consumer; iterating yields each document's token ids in order, and ``PASS_END`` where
+    the samples hold it.
 
     Tokenizing on the training loop's thread leaves the GPU waiting while it runs, and
     TorchTitan reads every microbatch of a step before the first forward. The thread batch-encodes CHUNK_DOCS documents at a time (the
@@ -130,18 +132,28 @@ class ReadAhead:
         self._thread.start()
 
     def _produce(self, samples, text_fn, encode, budget: int) -> None:
+        samples = iter(samples)
         try:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop or self._queued < budget)
                     if self._stop:
                         return
-                docs = encode([text_fn(s) for s in itertools.islice(samples, CHUNK_DOCS)])
+                texts, marker = [], None
+                for s in itertools.islice(samples, CHUNK_DOCS):
+                    if s is PASS_END:  # a chunk ends with its pass (the next pass reads on)
+                        marker = s
+                        break
+                    texts.append(text_fn(s))
+                docs = encode(texts) if texts else []
                 with self._cond:
-                    self._chunks.append(docs)
-                    self._queued += sum(map(len, docs))
+                    if docs or marker is None:  # an empty chunk without a marker: the end of the samples
+                        self._chunks.append(docs)
+                        self._queued += sum(map(len, docs))
+                    if marker is not None:
+                        self._chunks.append(marker)
                     self._cond.notify_all()
-                if not docs:  # the end of the samples
+                if not docs and marker is None:
                     return
         except BaseException as e:  # handed to the consumer, raised there
             with self._cond:
@@ -156,8 +168,12 @@ class ReadAhead:
                     docs = self._chunks.popleft()
                     if isinstance(docs, BaseException):
                         raise docs
-                    self._queued -= sum(map(len, docs))
+                    if docs is not PASS_END:
+                        self._queued -= sum(map(len, docs))
                     self._cond.notify_all()
+                if docs is PASS_END:
+                    yield PASS_END
+                    continue
                 if not docs:
                     return
                 yield from docs
@@ -194,29 +210,53 @@ class HymoTextDataset(HuggingFaceTextDataset):
     def __iter__(self):
         """TorchTitan's loop (HuggingFaceTextDataset.__iter__), but an infinite dataset starts
         another pass only when ``allow_repeat`` ([hymo] allow_data_repeat) says so, with one
-        warning for the run instead of one per pass; otherwise running out is an error."""
+        warning for the run instead of one per pass; otherwise running out is an error. A
+        map-style dataset's read-ahead runs on from one pass into the next (``PASS_END`` marks
+        the boundary), so a new pass does not start with the reader's queue empty."""
         max_buffer_token_len = 1 + self.seq_len
         while True:
-            for sample_tokens in self._encoded(self._get_data_iter()):
+            stream = self._encoded(self._get_data_iter())
+            for sample_tokens in stream:
+                if sample_tokens is PASS_END:
+                    if not self._next_pass():
+                        stream.close()
+                        return
+                    continue
                 self._token_buffer.extend(sample_tokens)
                 self._sample_idx += 1
                 while len(self._token_buffer) >= max_buffer_token_len:
                     x = torch.LongTensor(self._token_buffer[:max_buffer_token_len])
                     self._token_buffer = self._token_buffer[max_buffer_token_len:]
                     yield {"input": x[:-1]}, x[1:]
-            self._epoch_ranges = None  # a pass over ranges is done: the next reads the full shard
-            if not self.infinite:
-                logger.warning(f"Dataset {self.dataset_name} has run out of data")
-                break
-            if not self.allow_repeat:
-                raise DataRanOut(f"dataset {self.dataset_name} ran out of data after one pass: use more data or "
-                                 "fewer steps, or pass --hymo.allow_data_repeat to loop over it")
-            if not self._repeat_warned:
-                logger.warning(f"Dataset {self.dataset_name} is being re-looped (hymo.allow_data_repeat; said once)")
-                self._repeat_warned = True
-            self._sample_idx = 0
-            if not isinstance(self._data, Dataset) and hasattr(self._data, "set_epoch") and hasattr(self._data, "epoch"):
-                self._data.set_epoch(self._data.epoch + 1)
+            if not self._next_pass():  # a streamed dataset's pass, which ends its iterator
+                return
+
+    def _next_pass(self) -> bool:
+        """A pass over the data has been consumed: whether another one follows (raises if the
+        data may not end nor loop)."""
+        self._epoch_ranges = None  # a pass over ranges is done: the next reads the full shard
+        if not self.infinite:
+            logger.warning(f"Dataset {self.dataset_name} has run out of data")
+            return False
+        if not self.allow_repeat:
+            raise DataRanOut(f"dataset {self.dataset_name} ran out of data after one pass: use more data or "
+                             "fewer steps, or pass --hymo.allow_data_repeat to loop over it")
+        if not self._repeat_warned:
+            logger.warning(f"Dataset {self.dataset_name} is being re-looped (hymo.allow_data_repeat; said once)")
+            self._repeat_warned = True
+        self._sample_idx = 0
+        if not isinstance(self._data, Dataset) and hasattr(self._data, "set_epoch") and hasattr(self._data, "epoch"):
+            self._data.set_epoch(self._data.epoch + 1)
+        return True
+
+    def _passes(self, first):
+        """The samples of ``first`` (this pass), then, for a dataset that loops, of every later pass
+        (the whole shard from its start), each pass followed by PASS_END."""
+        yield from first
+        while self.infinite and self.allow_repeat:
+            yield PASS_END
+            yield from iter(self._data)
+        yield PASS_END
 
     def _encoded(self, samples):
         """The token ids of each document of ``samples``, in order, with BOS and EOS as
@@ -227,7 +267,7 @@ class HymoTextDataset(HuggingFaceTextDataset):
         not yet trained on: it is tokenized here, one document at a time."""
         if not self.map_style:
             return (self._tokenizer.encode(self._text_processor(s), add_bos=True, add_eos=True) for s in samples)
-        return iter(ReadAhead(samples, self._text_processor, batch_encoder(self._tokenizer),
+        return iter(ReadAhead(self._passes(samples), self._text_processor, batch_encoder(self._tokenizer),
                               self.lookahead_tokens))
 
     @property

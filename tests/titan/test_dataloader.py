@@ -322,3 +322,39 @@ def test_a_streaming_dataset_resumes_exactly(tokenizer, monkeypatch):
     got = [x for x, _ in zip(resumed, range(3))]
     for (x, y), (x_ref, y_ref) in zip(got, expected, strict=True):
         assert torch.equal(x["input"], x_ref["input"]) and torch.equal(y, y_ref)
+
+
+def test_the_read_ahead_runs_on_into_the_next_pass(tokenizer):
+    """A dataset that loops reads and tokenizes the next pass's first documents before the
+    consumer reaches the end of this one: one reader thread for both passes, the stream the
+    same (the last document of this pass, then documents 0, 1, ... of the next), the position
+    counted per pass."""
+    import threading
+    import time
+
+    from hymo_recipes.titan.dataloader import CHUNK_DOCS, HymoTextDataset
+
+    ds = HymoTextDataset(dataset_name="brown", dataset_path=str(REPO / "data/brown"), tokenizer=tokenizer,
+                         seq_len=SEQ, dp_rank=0, dp_world_size=1, infinite=True, allow_repeat=True,
+                         lookahead_tokens=1 << 20)
+    last = len(ds._data) - 1
+    ds.continue_epoch([(last, last + 1)])  # this pass: its last document only
+    encode = ds._tokenizer.encode
+    text = ds._text_processor
+    expected = sum((encode(text(ds._data[d]), add_bos=True, add_eos=True) for d in (last, 0, 1)), [])
+    samples = iter(ds)
+    x, label = next(samples)  # the reader is now running
+    time.sleep(0.5)
+    readers = [t for t in threading.enumerate() if t.name == "hymo-tokenize"]
+    assert len(readers) == 1
+    assert readers[0].is_alive()  # ... on past the end of this pass (one document) into the next
+    stream = x["input"].tolist() + label[-1:].tolist()
+    while len(stream) + SEQ + 1 <= len(expected):
+        x, label = next(samples)
+        stream += x["input"].tolist() + label[-1:].tolist()
+    assert stream == expected[:len(stream)]
+    assert [t for t in threading.enumerate() if t.name == "hymo-tokenize"] == readers
+    # documents consumed in the new pass: 0 and 1 (and up to a chunk read ahead, uncounted)
+    assert ds._sample_idx in (2, 3) and ds._sample_idx < CHUNK_DOCS
+    samples.close()
+    assert not readers[0].is_alive()
