@@ -216,18 +216,20 @@ class HymoTextDataset(HuggingFaceTextDataset):
         max_buffer_token_len = 1 + self.seq_len
         while True:
             stream = self._encoded(self._get_data_iter())
-            for sample_tokens in stream:
-                if sample_tokens is PASS_END:
-                    if not self._next_pass():
-                        stream.close()
-                        return
-                    continue
-                self._token_buffer.extend(sample_tokens)
-                self._sample_idx += 1
-                while len(self._token_buffer) >= max_buffer_token_len:
-                    x = torch.LongTensor(self._token_buffer[:max_buffer_token_len])
-                    self._token_buffer = self._token_buffer[max_buffer_token_len:]
-                    yield {"input": x[:-1]}, x[1:]
+            try:  # the stream (and a read-ahead thread behind it) ends with this loop, however it ends
+                for sample_tokens in stream:
+                    if sample_tokens is PASS_END:
+                        if not self._next_pass():
+                            return
+                        continue
+                    self._token_buffer.extend(sample_tokens)
+                    self._sample_idx += 1
+                    while len(self._token_buffer) >= max_buffer_token_len:
+                        x = torch.LongTensor(self._token_buffer[:max_buffer_token_len])
+                        self._token_buffer = self._token_buffer[max_buffer_token_len:]
+                        yield {"input": x[:-1]}, x[1:]
+            finally:
+                stream.close()
             if not self._next_pass():  # a streamed dataset's pass, which ends its iterator
                 return
 
@@ -241,6 +243,9 @@ class HymoTextDataset(HuggingFaceTextDataset):
         if not self.allow_repeat:
             raise DataRanOut(f"dataset {self.dataset_name} ran out of data after one pass: use more data or "
                              "fewer steps, or pass --hymo.allow_data_repeat to loop over it")
+        if self.map_style and len(self._data) == 0:
+            raise ValueError(f"dataset {self.dataset_name}: this rank's shard holds no document, so looping over "
+                             "it yields nothing (fewer documents than data-parallel ranks): use more data or fewer ranks")
         if not self._repeat_warned:
             logger.warning(f"Dataset {self.dataset_name} is being re-looped (hymo.allow_data_repeat; said once)")
             self._repeat_warned = True
@@ -249,13 +254,15 @@ class HymoTextDataset(HuggingFaceTextDataset):
             self._data.set_epoch(self._data.epoch + 1)
         return True
 
-    def _passes(self, first):
-        """The samples of ``first`` (this pass), then, for a dataset that loops, of every later pass
-        (the whole shard from its start), each pass followed by PASS_END."""
+    @staticmethod
+    def _passes(first, data, repeat: bool):
+        """The samples of ``first`` (this pass), then, if ``repeat``, of every later pass (the
+        whole shard ``data`` from its start), each pass followed by PASS_END. Runs on the reader
+        thread: what it reads of the dataset was decided on the consumer's (``_encoded``)."""
         yield from first
-        while self.infinite and self.allow_repeat:
+        while repeat and len(data):  # an empty shard: the consumer's _next_pass says so
             yield PASS_END
-            yield from iter(self._data)
+            yield from iter(data)
         yield PASS_END
 
     def _encoded(self, samples):
@@ -267,8 +274,8 @@ class HymoTextDataset(HuggingFaceTextDataset):
         not yet trained on: it is tokenized here, one document at a time."""
         if not self.map_style:
             return (self._tokenizer.encode(self._text_processor(s), add_bos=True, add_eos=True) for s in samples)
-        return iter(ReadAhead(self._passes(samples), self._text_processor, batch_encoder(self._tokenizer),
-                              self.lookahead_tokens))
+        passes = self._passes(samples, self._data, self.infinite and self.allow_repeat)
+        return iter(ReadAhead(passes, self._text_processor, batch_encoder(self._tokenizer), self.lookahead_tokens))
 
     @property
     def map_style(self) -> bool:

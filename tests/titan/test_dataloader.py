@@ -332,29 +332,69 @@ def test_the_read_ahead_runs_on_into_the_next_pass(tokenizer):
     import threading
     import time
 
-    from hymo_recipes.titan.dataloader import CHUNK_DOCS, HymoTextDataset
+    from hymo_recipes.titan.dataloader import HymoTextDataset
 
+    def readers():
+        return [t for t in threading.enumerate() if t.name == "hymo-tokenize" and t not in before]
+
+    before = set(threading.enumerate())
     ds = HymoTextDataset(dataset_name="brown", dataset_path=str(REPO / "data/brown"), tokenizer=tokenizer,
                          seq_len=SEQ, dp_rank=0, dp_world_size=1, infinite=True, allow_repeat=True,
-                         lookahead_tokens=1 << 20)
+                         lookahead_tokens=8192)
     last = len(ds._data) - 1
     ds.continue_epoch([(last, last + 1)])  # this pass: its last document only
-    encode = ds._tokenizer.encode
-    text = ds._text_processor
+    encode, text = ds._tokenizer.encode, ds._text_processor
     expected = sum((encode(text(ds._data[d]), add_bos=True, add_eos=True) for d in (last, 0, 1)), [])
     samples = iter(ds)
     x, label = next(samples)  # the reader is now running
     time.sleep(0.5)
-    readers = [t for t in threading.enumerate() if t.name == "hymo-tokenize"]
-    assert len(readers) == 1
-    assert readers[0].is_alive()  # ... on past the end of this pass (one document) into the next
+    reader = readers()
+    assert len(reader) == 1 and reader[0].is_alive()  # on past the end of this pass (one document) into the next
     stream = x["input"].tolist() + label[-1:].tolist()
     while len(stream) + SEQ + 1 <= len(expected):
         x, label = next(samples)
         stream += x["input"].tolist() + label[-1:].tolist()
     assert stream == expected[:len(stream)]
-    assert [t for t in threading.enumerate() if t.name == "hymo-tokenize"] == readers
-    # documents consumed in the new pass: 0 and 1 (and up to a chunk read ahead, uncounted)
-    assert ds._sample_idx in (2, 3) and ds._sample_idx < CHUNK_DOCS
+    assert readers() == reader
+    assert ds._sample_idx == 2 and ds._epoch_ranges is None  # documents 0 and 1 of the new pass consumed
     samples.close()
-    assert not readers[0].is_alive()
+    assert not reader[0].is_alive() and not readers()
+
+
+@pytest.mark.parametrize("docs", [7, 64])
+def test_looping_read_ahead_yields_what_torchtitans_loop_yields_pass_after_pass(tokenizer, docs):
+    """Over several passes of a small shard (fewer documents than a read-ahead chunk, or exactly
+    one chunk), the same sequences and after each the same saved position as TorchTitan's own
+    infinite HuggingFaceTextDataset; no reader thread is left once the iterator closes."""
+    import threading
+
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    from hymo_recipes.titan.dataloader import HymoTextDataset
+
+    before = set(threading.enumerate())
+    kw = dict(dataset_name="brown", dataset_path=str(REPO / "data/brown"), tokenizer=tokenizer, seq_len=SEQ * 8,
+              dp_rank=0, dp_world_size=1, infinite=True)
+    ours, theirs = HymoTextDataset(**kw, allow_repeat=True, lookahead_tokens=4096), HuggingFaceTextDataset(**kw)
+    ours._data = theirs._data = theirs._data.select(range(docs))
+    total = sum(len(tokenizer.encode(ours._text_processor(d), add_bos=True, add_eos=True)) for d in ours._data)
+    n, passes = 0, 3.5  # sequences for three and a half passes
+    it_ours, it_theirs = iter(ours), iter(theirs)
+    while n * (SEQ * 8 + 1) < passes * total:
+        (x, y), (x_ref, y_ref) = next(it_ours), next(it_theirs)
+        assert torch.equal(x["input"], x_ref["input"]) and torch.equal(y, y_ref), n
+        a, b = ours.state_dict(), theirs.state_dict()
+        assert a["sample_idx"] == b["sample_idx"] and a["token_buffer"] == b["token_buffer"], n
+        n += 1
+    it_ours.close()
+    assert not [t for t in threading.enumerate() if t.name == "hymo-tokenize" and t not in before]
+
+
+def test_an_empty_shard_that_loops_is_a_clear_error(tokenizer):
+    from hymo_recipes.titan.dataloader import HymoTextDataset
+
+    ds = HymoTextDataset(dataset_name="brown", dataset_path=str(REPO / "data/brown"), tokenizer=tokenizer,
+                         seq_len=SEQ, dp_rank=0, dp_world_size=1, infinite=True, allow_repeat=True)
+    ds._data = ds._data.select(range(0))
+    with pytest.raises(ValueError, match="this rank's shard holds no document"):
+        next(iter(ds))
