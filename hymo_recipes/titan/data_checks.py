@@ -130,6 +130,9 @@ def check_split(name: str, path: str | None, setting: str, tokenizer, *, dp: int
     if smallest >= need:
         return
     shard = f"the smallest of {dp} ranks' shards holds" if dp > 1 else "it holds"
+    if smallest == 0:  # looping over nothing yields nothing
+        raise ValueError(f"{setting}: {', '.join(files)} is too small: {shard} no tokens ({len(docs):,} documents "
+                         f"for {dp} data-parallel ranks): use more data or fewer ranks")
     if not allow_repeat:
         raise ValueError(f"{setting}: {', '.join(files)} is too small: {shard} {smallest:,} tokens "
                          f"({smallest // window:,} windows of {window}), {what} reads {sequences:,} windows "

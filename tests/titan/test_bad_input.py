@@ -75,6 +75,16 @@ def test_data_repeat_only_when_asked_and_with_one_warning(data, caplog):
         "61,680 read): looping over it (less than one window; hymo.allow_data_repeat)"]
 
 
+def test_a_rank_with_no_document_is_an_error_even_when_looping(data, monkeypatch):
+    """One document for two data-parallel ranks: one shard is empty, and looping over it would
+    yield nothing; the check says so before anything is built, whatever allow_data_repeat says."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tiny = ["--training.dataset", "local", "--training.dataset_path", data / "tiny.jsonl"]
+    for extra in ([], ["--hymo.allow_data_repeat"]):
+        assert (f"{data}/tiny.jsonl is too small: the smallest of 2 ranks' shards holds no tokens (1 documents for "
+                "2 data-parallel ranks): use more data or fewer ranks") in one_line_error(*tiny, *extra)
+
+
 def test_the_dataloader_loops_only_when_asked(data, caplog):
     from hymo_recipes.titan.datasets import build_tokenizer
     from hymo_recipes.titan.dataloader import HymoTextDataset
