@@ -131,6 +131,20 @@ def run_one(args, batches: torch.Tensor, heldout: torch.Tensor, opt_cfg, *, step
     return out
 
 
+def run_device(parser: argparse.ArgumentParser, dry: bool, report_only: bool) -> torch.device:
+    """The CPU for a dry run (2 threads); else the GPU (TF32 matmuls), which a report-only call
+    only names (its runs' setting) and puts nothing on; without one, a parser error."""
+    if dry:
+        torch.set_num_threads(min(torch.get_num_threads(), 2))
+        return torch.device("cpu")
+    if report_only:
+        return torch.device("cuda")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU; --dry runs the code paths on the CPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return torch.device("cuda")
+
+
 def best_lrs(results: list[dict], parametrization: str) -> dict[int, float]:
     """{width: the lr multiplier of the lowest ``final``} over the runs of one parametrization."""
     best: dict[int, tuple[float, float]] = {}
@@ -226,16 +240,7 @@ def main(argv=None) -> int:
     batch = a.batch or (2 if dry else 8)
     seq = a.seq or (32 if dry else 512)
     layers = a.layers or (4 if dry else None)
-    if dry:
-        device = torch.device("cpu")
-        torch.set_num_threads(min(torch.get_num_threads(), 2))
-    elif a.report_only:
-        device = torch.device("cuda")  # only names the runs to report: nothing is put on it
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-        torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        p.error("needs a CUDA GPU; --dry runs the code paths on the CPU")
+    device = run_device(p, dry, a.report_only)
 
     from hymo_recipes.titan.datasets import load_tokenizer
 

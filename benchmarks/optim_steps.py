@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.mup_coord_check import optimizer_config
-from benchmarks.mup_lr_sweep import REPO, brown_windows, run_one
+from benchmarks.mup_lr_sweep import REPO, brown_windows, run_device, run_one
 from hymo_recipes.model import hymo_flavors
 
 NORMUON_LR, ADAMW_LR = 0.02, 3e-4  # the seed's settings (DESIGN.md §3)
@@ -188,16 +188,7 @@ def main(argv=None) -> int:
         mults = sorted(mults + [1.0])  # the shipped setting is always a row
     seeds = a.seeds or ([0, 1] if dry else [0, 1, 2])
     window = max(1, steps // 10)  # run_one's final-loss window
-    if dry:
-        device = torch.device("cpu")
-        torch.set_num_threads(min(torch.get_num_threads(), 2))
-    elif a.report_only:
-        device = torch.device("cuda")  # only names the runs to report
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-        torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        p.error("needs a CUDA GPU; --dry runs the code paths on the CPU")
+    device = run_device(p, dry, a.report_only)
 
     from hymo_recipes.titan.datasets import load_tokenizer
 
