@@ -77,6 +77,8 @@ lr = 3e-4
 warmup_steps = 2
 [compile]
 enable = {compile}
+[hymo]
+document_masking = false
 """
 
 

@@ -10,6 +10,8 @@ forward, or at the first validation) or with an error that does not name the set
 - the model flavor exists, and its args accept this config (``HymoModelArgs.update_from_config``
   on a copy: sequence lengths, MTP depth, every ``[hymo]`` knob's value);
 - this machine can run the GDN backend (the Triton kernel needs a GPU);
+- document masking is asked of HyMo models only (another model's forward takes no document
+  boundaries);
 - torch.compile is not asked of a backend that cannot be compiled (``parallelize``'s check);
 - the learning-rate schedule can be built for ``training.steps``;
 - ``[optimizer]`` values are in the range torch's optimizers accept (a negative lr fails only
@@ -85,6 +87,13 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         check_optimizer_values(config.optimizer)
         wsd_schedule(config.lr_scheduler, config.training.steps)
         check_data(config, tokenizer, dp_degree(config))
+    else:
+        from hymo_recipes.titan import documents
+
+        if documents.masked(config) or documents.masked(config, validation=True):
+            raise ValueError(f"[hymo] document_masking is for HyMo models: model.name = {config.model.name!r} takes no "
+                             "document boundaries; pass --hymo.no-document_masking (and "
+                             "--hymo.validation_document_masking off if it is \"on\")")
     check_checkpoint_to_load(config)
 
 

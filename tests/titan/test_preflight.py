@@ -197,3 +197,17 @@ def test_rank_ends_when_its_launcher_is_killed(launcher):
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_document_masking_is_refused_for_a_model_other_than_hymo(tmp_path):
+    toml = tmp_path / "llama.toml"
+    toml.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\nhf_assets_path = "./assets/tokenizer"\n'
+                    '[training]\ndataset = "brown"\n')
+    with pytest.raises(SystemExit, match="document_masking is for HyMo models: model.name = 'llama3'.*"
+                                         "--hymo.no-document_masking"):
+        parse_config(["--job.config_file", str(toml)])
+    config = parse_config(["--job.config_file", str(toml), "--hymo.no-document_masking"])
+    assert config.model.name == "llama3" and not config.hymo.document_masking
+    with pytest.raises(SystemExit, match="document_masking is for HyMo models"):  # the held-out loss asks for it
+        parse_config(["--job.config_file", str(toml), "--hymo.no-document_masking",
+                      "--hymo.validation_document_masking", "on"])
