@@ -135,10 +135,10 @@ def dropless_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     order = torch.argsort(flat * N + token)
     counts = torch.zeros(moe.num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    routed = moe.experts(xf[token[order]], counts)
+    routed, at = moe.experts(xf, token[order], counts)
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(N * k, device=x.device)
-    routed = routed[unsort].view(N, k, -1)
+    routed = routed[at[unsort]].view(N, k, -1)
     out = torch.bmm(weights[:, None, :], routed.float()).squeeze(1).to(x.dtype)
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(xf)

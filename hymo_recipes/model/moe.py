@@ -84,13 +84,18 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = use_grouped_mm
         self.mixed_precision = mixed_precision
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [M, dim] sorted by expert, num_tokens_per_expert [E] summing to M -> [M, dim] in x's dtype."""
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, num_tokens_per_expert: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts on rows ``rows`` [M] of x [N, dim], sorted by expert (num_tokens_per_expert
+        [E] summing to M) -> (out [R, dim] in x's dtype, at [M]): out[at[s]] is the output of
+        x[rows[s]]. The grouped GEMMs leave their outputs in their padded layout (R ≥ M rows),
+        so that the caller gathers each token's outputs once; the loop's are in order (at = s)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
         dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
         if self.use_grouped_mm and x.is_cuda and dtype == torch.bfloat16:
-            return grouped_swiglu(w1, w2, w3, x, num_tokens_per_expert).to(x.dtype)
-        return self._loop(x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert).to(x.dtype)
+            return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert)
+        out = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert)
+        return out.to(x.dtype), torch.arange(rows.shape[0], device=rows.device)
 
     @staticmethod
     def _loop(x, w1, w2, w3, num_tokens_per_expert):
@@ -183,10 +188,10 @@ class MoE(nn.Module):
 
         # Dropped assignments still flow through their expert (with weight 0): fixed shapes
         # keep the routing free of host syncs and friendly to torch.compile.
-        routed = self.experts(xf[token[order]], counts)  # [N·k, D], sorted by expert
+        routed, at = self.experts(xf, token[order], counts)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(N * k, device=x.device)
-        routed = routed[unsort].view(N, k, D)
+        routed = routed[at[unsort]].view(N, k, D)  # each token's k outputs, in one gather
         # the weighted sum over a token's k outputs as one elementwise-and-sum (fused by the
         # compiler; a [1, k] x [k, D] bmm per token runs as a batched gemv, far slower)
         out = (weights[..., None] * routed.float()).sum(1).to(x.dtype)

@@ -133,7 +133,7 @@ def _probe_copy(module, dtype, memo=None):
     return m
 
 
-def _probe_experts(self, x, num_tokens_per_expert):
+def _probe_experts(self, x, rows, num_tokens_per_expert):
     """GroupedExperts.forward on meta tensors as it runs on a GPU: torch._grouped_mm for bf16
     (its shapes are fixed by the token and expert counts), else the per-expert loop, here over an
     even split of the rows: the loop's saved tensors hold each expert's rows, so their bytes are
@@ -145,10 +145,11 @@ def _probe_experts(self, x, num_tokens_per_expert):
     w1, w2, w3 = self.w1, self.w2, self.w3
     dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
     if self.use_grouped_mm and dtype == torch.bfloat16:
-        return grouped_swiglu(w1, w2, w3, x, num_tokens_per_expert).to(x.dtype)
-    E, M = self.num_experts, x.shape[0]
+        return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert)
+    E, M = self.num_experts, rows.shape[0]
     even = torch.tensor([M // E + (e < M % E) for e in range(E)])
-    return self._loop(x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), even).to(x.dtype)
+    out = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), even).to(x.dtype)
+    return out, torch.arange(M, device=rows.device)
 
 
 def _block_kind(block) -> str:
@@ -226,18 +227,23 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
     state = [v for opt in optimizers.values() for s in opt.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
     o_bytes = _tensor_bytes(state)
-    from hymo_recipes.titan.parallelize import reshard_after_forward
+    from hymo_recipes.titan.parallelize import fsdp_plan, reshard_after_forward
 
     gathered = TORCH_DTYPE_MAP[config.training.mixed_precision_param].itemsize
     block = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()), default=0)
-    hymo = getattr(config, "hymo", None)
-    if reshard_after_forward(config.parallelism.fsdp_reshard_after_forward, dp) and \
-            getattr(hymo, "fsdp_units", "block") == "block":
+    units, sync_once = fsdp_plan(getattr(config, "hymo", None), dp)
+    if reshard_after_forward(config.parallelism.fsdp_reshard_after_forward, dp) and units == "block":
         # FSDP2 gathers one block ahead (forward and backward prefetch): two blocks at a time
         gather_bytes, gathers = 2 * block * gathered, "all-gathered blocks"
     else:  # every block's gathered copy stays from its forward to its backward
         gather_bytes, gathers = sum(p.numel() for p in params) * gathered, "gathered copies kept for the backward"
-    total = (2 * p_bytes + o_bytes) / dp + gather_bytes
+    from hymo_recipes.titan.data_checks import gradient_accumulation
+
+    numel = sum(p.numel() for p in params)
+    # gradients summed unsharded over a step's microbatches (fsdp_sync_once_per_step), in the reduction dtype
+    sums = numel * TORCH_DTYPE_MAP[config.training.mixed_precision_reduce].itemsize \
+        if sync_once and gradient_accumulation(config, dp) > 1 else 0
+    total = (2 * p_bytes + o_bytes) / dp + gather_bytes + sums
     t = config.training
     act = activation_bytes(model, config)
     tokens = t.local_batch_size * t.seq_len
@@ -245,7 +251,9 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
                        for kind, (count, saved) in act["blocks"].items())
     return [f"HyMo memory per GPU at {dp} data-parallel rank(s) (FSDP2, sharded): parameters {_size(p_bytes / dp)}, "
             f"gradients {_size(p_bytes / dp)}, optimizer states {_size(o_bytes / dp)}, {gathers} "
-            f"{_size(gather_bytes)} ({t.mixed_precision_param}); {_size(total)} in all, activations apart (next line)",
+            f"{_size(gather_bytes)} ({t.mixed_precision_param})"
+            + (f", unsharded gradient sums {_size(sums)} ({t.mixed_precision_reduce})" if sums else "")
+            + f"; {_size(total)} in all, activations apart (next line)",
             f"HyMo activations per GPU, eager autograd's saved tensors for {t.local_batch_size} x {t.seq_len:,} tokens "
             f"in {t.mixed_precision_param} (activation_checkpoint {config.activation_checkpoint.mode}: "
             f"{act['assumed']}): {blocks}, norm + MTP heads + head + loss "

@@ -75,12 +75,14 @@ class Hymo:
     "on" (each document alone, as at inference, however the model was trained) or "off" (the
     packed rows as they are). "on" puts runs trained with and without document masking on the
     same held-out measure."""
-    fsdp_units: str = "block"
+    fsdp_units: str = "auto"
     """Which modules FSDP2 shards as units: "block" (one per block and MTP head, the root keeping
-    the embedding and final norm: each gather and reduce overlaps neighbouring compute) or
+    the embedding and final norm: each gather and reduce overlaps neighbouring compute),
     "model" (the root alone: FSDP's hooks run once per forward and backward instead of once per
     block, for the host time they take; every parameter gathered at once, every gradient
-    reduced after the backward)."""
+    reduced after the backward) or "auto": on one data-parallel rank, where FSDP has nothing to
+    shard and only casts and copies, "model" with fsdp_sync_once_per_step (the fastest there,
+    for the unsharded gradient sums' 4 bytes per parameter); "block" on more ranks."""
     fsdp_sync_once_per_step: bool = False
     """Gradient accumulation without FSDP's per-microbatch work: on every microbatch of a step
     but the last, each FSDP unit keeps its gathered parameters after the backward and adds its
@@ -89,7 +91,7 @@ class Hymo:
     reduce-scatters the sum and reshards. Costs the unsharded gradients (4 bytes per parameter
     in fp32) and the gathered parameters for the whole step on every rank. The same sums, added
     in another order over the ranks (bitwise the same on one rank); no effect without
-    accumulation."""
+    accumulation. On by itself with fsdp_units = "auto" on one rank."""
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:
     such a run stops before anything is built, naming the file (a local dataset), or when the

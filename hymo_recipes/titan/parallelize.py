@@ -47,9 +47,30 @@ def check_compile_backend(job_config, gdn_backend: str) -> bool:
 
 # [hymo] fsdp_units: which modules are FSDP units besides the root
 FSDP_UNITS = {
+    "auto": "model, with gradients reduced once per step, on one data-parallel rank; block on more",
     "block": "one unit per block and per MTP head, the root keeping the rest",
     "model": "the root only: one gather before the forward and one reduce after the backward",
 }
+
+
+def fsdp_plan(hymo, ranks: int) -> tuple[str, bool]:
+    """(FSDP units, whether gradients are reduced once per step) for ``ranks`` data-parallel
+    ranks from ``[hymo] fsdp_units`` and ``fsdp_sync_once_per_step`` (``hymo`` None: the
+    defaults). On one rank "auto" takes the root alone and syncs once per step: FSDP there only
+    casts and copies, and its per-block, per-microbatch hooks cost the host more than the GPU
+    waits for."""
+    units = getattr(hymo, "fsdp_units", "auto")
+    sync_once = bool(getattr(hymo, "fsdp_sync_once_per_step", False))
+    if units not in FSDP_UNITS:
+        raise ValueError(f"[hymo] fsdp_units = {units!r}: one of {', '.join(FSDP_UNITS)}")
+    if units == "auto":
+        return ("model", True) if ranks == 1 else ("block", sync_once)
+    return units, sync_once
+
+
+def data_parallel_ranks(parallel_dims) -> int:
+    """The ranks FSDP shards over (replicas times shards)."""
+    return parallel_dims.dp_replicate * parallel_dims.dp_shard
 
 
 def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
@@ -80,6 +101,7 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     else:
         mesh = parallel_dims.world_mesh  # one rank
     training = job_config.training
+    units, sync_once = fsdp_plan(hymo, data_parallel_ranks(parallel_dims))
     apply_fsdp(
         model,
         mesh,
@@ -87,12 +109,11 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         reshard_after_forward=reshard_after_forward(job_config.parallelism.fsdp_reshard_after_forward,
                                                     mesh.size()),
-        units=hymo.fsdp_units if hymo is not None else "block",
+        units=units,
     )
-    logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s) "
-                f"({hymo.fsdp_units if hymo is not None else 'block'} units), parameters in "
-                f"{training.mixed_precision_param}, reduction in "
-                f"{training.mixed_precision_reduce}")
+    logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s) ({units} units"
+                f"{', gradients reduced once per step' if sync_once else ''}), parameters in "
+                f"{training.mixed_precision_param}, reduction in {training.mixed_precision_reduce}")
     return model
 
 
@@ -162,8 +183,8 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
     """
     config = {"mesh": mesh,
               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
-    if units not in FSDP_UNITS:
-        raise ValueError(f"[hymo] fsdp_units = {units!r}: one of {', '.join(FSDP_UNITS)}")
+    if units not in ("block", "model"):
+        raise ValueError(f"apply_fsdp: units = {units!r}: block or model (fsdp_plan resolves auto)")
     if units == "block":
         for block in model.layers.values():
             fully_shard(block, **config, reshard_after_forward=reshard_after_forward)

@@ -59,10 +59,9 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if config.model.name == "hymo":
-        from hymo_recipes.titan.parallelize import FSDP_UNITS
+        from hymo_recipes.titan.parallelize import fsdp_plan
 
-        if (units := getattr(getattr(config, "hymo", None), "fsdp_units", "block")) not in FSDP_UNITS:
-            raise ValueError(f"[hymo] fsdp_units = {units!r}: one of {', '.join(FSDP_UNITS)}")
+        fsdp_plan(getattr(config, "hymo", None), 1)  # a bad fsdp_units, in one line
         from hymo_recipes.titan import documents
 
         documents.masked(config, validation=True)  # a bad validation_document_masking, in one line

@@ -10,7 +10,8 @@ count, gradient accumulation, clipping, the optimizer and scheduler steps, the l
 TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as before. With
 ``[hymo] document_masking`` each microbatch's document boundaries are added to its inputs on
 the host, before the copy (hymo_recipes/titan/documents.py). With ``[hymo]
-fsdp_sync_once_per_step`` FSDP reduce-scatters and reshards after a step's last microbatch only.
+fsdp_sync_once_per_step`` (or ``fsdp_units = "auto"`` on one rank: parallelize.fsdp_plan) FSDP
+reduce-scatters and reshards after a step's last microbatch only.
 With the model's ``fused_loss_chunk`` > 0 the labels go to the model too, which then returns the
 heads' cross-entropy sums instead of their logits (hymo_recipes/model/linear_ce.py).
 
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from hymo_recipes.titan import checkpoints, documents
 from hymo_recipes.titan.api import IGNORE_INDEX, DataloaderExhaustedError, Trainer, dist_utils, logger
 from hymo_recipes.titan.dataloader import DataRanOut, HymoTextDataset
+from hymo_recipes.titan.parallelize import data_parallel_ranks, fsdp_plan
 
 
 def data_can_run_out(dataloader) -> bool:
@@ -134,7 +136,11 @@ class HymoTrainer(Trainer):
             global_valid_tokens = local_valid_tokens.float()
 
         accumulated_losses = []
-        sync_once = getattr(getattr(self.job_config, "hymo", None), "fsdp_sync_once_per_step", False)
+        hymo = getattr(self.job_config, "hymo", None)
+        if self.job_config.model.name == "hymo":  # HyMo's parallelize applied the same plan
+            sync_once = fsdp_plan(hymo, data_parallel_ranks(parallel_dims))[1]
+        else:
+            sync_once = bool(getattr(hymo, "fsdp_sync_once_per_step", False))
         fused_loss = getattr(self.model_args, "fused_loss_chunk", 0) > 0
         for i, (input_dict, labels) in enumerate(microbatches):
             if sync_once:

@@ -287,19 +287,21 @@ def test_fsdp_knobs_on_one_rank(tmp_path):
     gradients stay in FSDP's unsharded accumulator and only the last one reduce-scatters; on one
     rank the sums are the same additions in the same order, so every logged number is bitwise
     the plain run's (a lost or doubled microbatch would change the loss from step 2 on).
-    With fsdp_units = "model" as well (the root alone, for FSDP's per-block host work): the same
+    With fsdp_units = "model" as well (the root alone, for FSDP's per-block host work; what
+    "auto", the default, picks on one rank): the same
     casts, sums and copies; only the order in which autograd adds the tied embedding's gradient
     from its uses may change (FSDP's hooks sit elsewhere in the graph), so the runs agree to
     float32 rounding (assert_agree_to_rounding)."""
     args = ("--training.steps", "3", "--training.global_batch_size", "8", "--validation.no-enable",
             "--checkpoint.no-enable", *MOVING_LR)
-    log = run_train(tmp_path / "plain", 1, *args)
+    log = run_train(tmp_path / "plain", 1, *args, "--hymo.fsdp_units", "block")
     assert "gradient accumulation steps 2" in log and "(block units)" in log
     plain = read_scalars(tmp_path / "plain")
-    run_train(tmp_path / "once", 1, *args, "--hymo.fsdp_sync_once_per_step")
+    run_train(tmp_path / "once", 1, *args, "--hymo.fsdp_units", "block", "--hymo.fsdp_sync_once_per_step")
     assert_same_training_metrics(plain, read_scalars(tmp_path / "once"))
-    log = run_train(tmp_path / "model", 1, *args, "--hymo.fsdp_units", "model", "--hymo.fsdp_sync_once_per_step")
-    assert "(model units)" in log
+    # the default on one rank ("auto"): the root alone, gradients reduced once per step
+    log = run_train(tmp_path / "model", 1, *args)
+    assert "(model units, gradients reduced once per step)" in log
     assert_agree_to_rounding(plain, read_scalars(tmp_path / "model"))
 
 

@@ -176,10 +176,11 @@ def test_mixed_precision_flag_picks_the_matmul_dtype(mixed_precision):
     ex.to(torch.bfloat16)
     x = torch.randn(10, 16)
     counts = torch.tensor([4, 0, 6])
-    out = ex(x, counts)
-    assert out.dtype == torch.float32
+    rows = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])  # any rows of x, sorted by expert
+    out, at = ex(x, rows, counts)
+    assert out.dtype == torch.float32 and at.tolist() == list(range(10))
     dtype = torch.bfloat16 if mixed_precision else torch.float32
-    xs = x.to(dtype)
+    xs = x[rows].to(dtype)
     ref = torch.cat([swiglu(xs[:4], *(w[0].to(dtype) for w in (ex.w1, ex.w2, ex.w3))),
                      swiglu(xs[4:], *(w[2].to(dtype) for w in (ex.w1, ex.w2, ex.w3)))]).float()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
@@ -197,5 +198,56 @@ def test_grouped_mm_matches_expert_loop_on_cuda():
     grouped.to(torch.bfloat16)
     loop.to(torch.bfloat16)
     x = torch.randn(50, 64, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randperm(50, device="cuda")
     counts = torch.tensor([20, 0, 13, 17], device="cuda")
-    torch.testing.assert_close(grouped(x, counts), loop(x, counts), rtol=2e-2, atol=2e-2)
+    out, at = grouped(x, rows, counts)
+    ref, ref_at = loop(x, rows, counts)
+    torch.testing.assert_close(out[at], ref[ref_at], rtol=2e-2, atol=2e-2)
+
+
+def _grouped_and_loop_grads(counts, rows, x):
+    """(outputs, grad x, grads w1 w2 w3) through grouped_swiglu and through the expert loop, for
+    a loss that reads every assignment's output."""
+    from hymo_recipes.model.grouped_mm import grouped_swiglu
+
+    torch.manual_seed(1)
+    E = len(counts)
+    w = [torch.randn(E, 24, 16) * 0.2, torch.randn(E, 16, 24) * 0.2, torch.randn(E, 24, 16) * 0.2]
+    w = [t.bfloat16().requires_grad_() for t in w]
+    n = torch.tensor(counts)
+    cot = torch.randn(rows.shape[0], 16, dtype=torch.bfloat16)
+    results = []
+    for grouped in (True, False):
+        xg = x.clone().requires_grad_()
+        if grouped:
+            out, at = grouped_swiglu(w[0], w[1], w[2], xg, rows, n)
+            out = out[at]
+        else:
+            out = GroupedExperts._loop(xg[rows], w[0], w[1], w[2], n)
+        (out.float() * cot.float()).sum().backward()
+        results.append((out.detach(), xg.grad, *(t.grad.clone() for t in w)))
+        for t in w:
+            t.grad = None
+    return results
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17, 8], [0, 0, 0, 3], [9, 1, 16, 2]])
+def test_grouped_experts_gather_their_rows_once_and_match_the_loop(counts):
+    """grouped_swiglu (torch._grouped_mm, which runs on the CPU too) gathers the padded layout
+    straight from x's rows and leaves its outputs in that layout: read through ``at`` they are
+    the expert loop's, and so are the gradients of x and of every expert's weights (the padding
+    rows, those past the last group included, send nothing back to x)."""
+    from hymo_recipes.model.grouped_mm import padded_indices
+
+    M = sum(counts)
+    torch.manual_seed(0)
+    x = torch.randn(M // 2 + 3, 16).bfloat16()
+    rows = torch.randint(0, x.shape[0], (M,))  # tokens repeat, as with top-k > 1
+    index, _, at = padded_indices(torch.tensor(counts), M)
+    assert torch.equal(index[at], torch.arange(M))  # at inverts the layout on the real rows
+    assert int((index >= 0).sum()) == M
+    (out, *grads), (ref, *ref_grads) = _grouped_and_loop_grads(counts, rows, x)
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-2)
+    assert grads[0][rows.unique()].abs().sum() > 0

@@ -229,11 +229,16 @@ def test_run_train_sh_uses_the_repositorys_venv_or_says_how_to_make_one(tmp_path
         "run ./scripts/setup.sh, then . .venv/bin/activate"], out
 
 
-@pytest.mark.parametrize("policy, dp, kept_all", [("default", 1, True), ("default", 2, False), ("always", 1, False),
-                                                  ("never", 2, True)])
-def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, kept_all):
+@pytest.mark.parametrize("policy, dp, units, accumulation, kept_all, sums", [
+    ("default", 1, "block", 1, True, False), ("default", 2, "block", 1, False, False),
+    ("always", 1, "block", 1, False, False), ("never", 2, "block", 1, True, False),
+    ("always", 1, "auto", 1, True, False),  # auto on one rank: the root alone, everything gathered
+    ("always", 1, "auto", 2, True, True),  # ... and with accumulation the unsharded gradient sums
+    ("default", 2, "auto", 2, False, False)])
+def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, units, accumulation, kept_all, sums):
     """Resharding after the forward, FSDP holds two gathered blocks; without it (one rank, by
-    default) every block's gathered copy stays until the backward: the estimate counts that."""
+    default) every block's gathered copy stays until the backward; one unit gathers everything;
+    gradients reduced once per step are summed unsharded in fp32: the estimate counts each."""
     from types import SimpleNamespace
 
     import torch
@@ -243,16 +248,20 @@ def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, kept_all):
 
     with torch.device("meta"):
         model = HymoModel(hymo_flavors["debugmodel"])
-    config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="bfloat16", local_batch_size=1, seq_len=64),
+    config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="bfloat16", mixed_precision_reduce="float32",
+                                                      local_batch_size=1, seq_len=64,
+                                                      global_batch_size=dp * accumulation),
                              parallelism=SimpleNamespace(fsdp_reshard_after_forward=policy),
-                             activation_checkpoint=SimpleNamespace(mode="none"))
+                             activation_checkpoint=SimpleNamespace(mode="none"),
+                             hymo=SimpleNamespace(fsdp_units=units, fsdp_sync_once_per_step=False))
     line, _activations = memory_lines(model, {}, config, dp)
     n = sum(p.numel() for p in model.parameters())
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers.values())
     gathered = n * 2 if kept_all else 2 * block * 2
     label = "gathered copies kept for the backward" if kept_all else "all-gathered blocks"
     assert f"{label} {gathered / (1 << 20):.1f} MiB (bfloat16)" in line, line
-    total = (2 * n * 4) / dp + gathered
+    assert (f"unsharded gradient sums {n * 4 / (1 << 20):.1f} MiB (float32)" in line) == sums, line
+    total = (2 * n * 4) / dp + gathered + (n * 4 if sums else 0)
     assert f"{total / (1 << 20):.1f} MiB in all" in line, line
 
 
@@ -277,7 +286,7 @@ def test_check_mode_passes_the_750m_config_on_a_cpu_in_little_memory(tmp_path):
 
 
 def test_unknown_fsdp_units_is_one_line_before_the_model():
-    assert "[hymo] fsdp_units = 'layer': one of block, model" in one_line_error("--hymo.fsdp_units", "layer")
+    assert "[hymo] fsdp_units = 'layer': one of auto, block, model" in one_line_error("--hymo.fsdp_units", "layer")
 
 
 def test_unknown_validation_document_masking_is_one_line_before_the_model():

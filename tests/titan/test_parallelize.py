@@ -76,3 +76,24 @@ def test_the_fused_loss_is_compiled_only_when_asked(enable, components, chunk, c
     logits, targets = torch.randn(6, 11), torch.tensor([1, 2, -100, 4, 5, 0])
     for a, b in zip(model.loss_chunk_fn(logits.clone(), targets, True), ce_chunk(logits.clone(), targets, True)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("units, sync_once, ranks, plan", [
+    ("auto", False, 1, ("model", True)),  # one rank: one unit, gradients reduced once per step
+    ("auto", False, 2, ("block", False)),
+    ("auto", True, 8, ("block", True)),
+    ("block", False, 1, ("block", False)),  # explicit values are kept on any rank count
+    ("model", False, 1, ("model", False)),
+    ("model", True, 4, ("model", True)),
+])
+def test_fsdp_plan_resolves_auto_by_the_rank_count(units, sync_once, ranks, plan):
+    from hymo_recipes.titan.parallelize import fsdp_plan
+
+    assert fsdp_plan(SimpleNamespace(fsdp_units=units, fsdp_sync_once_per_step=sync_once), ranks) == plan
+
+
+def test_fsdp_plan_refuses_an_unknown_unit():
+    from hymo_recipes.titan.parallelize import fsdp_plan
+
+    with pytest.raises(ValueError, match="fsdp_units = 'layer': one of auto, block, model"):
+        fsdp_plan(SimpleNamespace(fsdp_units="layer", fsdp_sync_once_per_step=False), 1)

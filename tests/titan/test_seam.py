@@ -152,6 +152,6 @@ def test_the_models_grouped_mm_layout_is_torchtitans(counts):
     assert ALIGN == TOKEN_GROUP_ALIGN_SIZE_M
     length = _round_up(rows + experts * ALIGN, ALIGN)
     theirs, their_sizes, _ = generate_permute_indices(n, experts, 1, length, ALIGN, use_cpu=True)
-    ours, our_sizes = padded_indices(n, rows)
+    ours, our_sizes, _ = padded_indices(n, rows)
     assert torch.equal(our_sizes.to(their_sizes.dtype), their_sizes)
     assert ours.tolist() == theirs.tolist()
