@@ -138,3 +138,40 @@ def test_replay_of_a_resharded_fsdp_unit(logs, tmp_path):
         assert "eager replay on the same inputs is finite" in msg
     finally:
         dist.destroy_process_group()
+
+
+class UnwrittenTail(nn.Module):
+    """Returns its rows in a layout with a row it never writes (NaN here), and says which rows
+    hold values, as the grouped MoE experts do (GroupedExperts.defined_outputs)."""
+
+    def forward(self, x):
+        out = torch.cat([x, torch.full_like(x[:1], float("nan"))])
+        return out, torch.arange(x.shape[0])
+
+    @staticmethod
+    def defined_outputs(output):
+        from hymo_recipes.model.moe import GroupedExperts
+
+        return GroupedExperts.defined_outputs(output)
+
+
+class ReadsItsRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = UnwrittenTail()
+        self.log = Log()
+
+    def forward(self, x):
+        out, at = self.experts(x)
+        return self.log(out[at])
+
+
+def test_rows_a_module_never_writes_are_not_blamed(logs):
+    torch.manual_seed(0)
+    net = Net(ReadsItsRows())
+    probe = NonfiniteProbe(net, log_every=1)
+    _make_positive_then_negative(net, -1.0)  # the Log's input is negative: NaN born there
+    net(torch.randn(3, 4))
+    (msg,) = _warnings(logs)
+    assert "first in layers.1.log (Log)" in msg, msg
+    probe.remove()

@@ -98,6 +98,13 @@ class GroupedExperts(nn.Module):
         return out.to(x.dtype), torch.arange(rows.shape[0], device=rows.device)
 
     @staticmethod
+    def defined_outputs(output: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+        """The rows of forward's output that hold values (what nonfinite_probe checks): the padded
+        layout's rows past the last group are never written."""
+        out, at = output
+        return [out[at]]
+
+    @staticmethod
     def _loop(x, w1, w2, w3, num_tokens_per_expert):
         # one host sync for the split sizes; each expert is then three dense matmuls
         outs = []

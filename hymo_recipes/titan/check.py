@@ -231,18 +231,20 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
 
     gathered = TORCH_DTYPE_MAP[config.training.mixed_precision_param].itemsize
     block = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()), default=0)
+    from hymo_recipes.titan.data_checks import gradient_accumulation
+
     units, sync_once = fsdp_plan(getattr(config, "hymo", None), dp)
-    if reshard_after_forward(config.parallelism.fsdp_reshard_after_forward, dp) and units == "block":
+    # reduced once per step, every unit stays gathered from a microbatch's backward to the next forward
+    sync_once = sync_once and gradient_accumulation(config, dp) > 1
+    if reshard_after_forward(config.parallelism.fsdp_reshard_after_forward, dp) and units == "block" \
+            and not sync_once:
         # FSDP2 gathers one block ahead (forward and backward prefetch): two blocks at a time
         gather_bytes, gathers = 2 * block * gathered, "all-gathered blocks"
     else:  # every block's gathered copy stays from its forward to its backward
         gather_bytes, gathers = sum(p.numel() for p in params) * gathered, "gathered copies kept for the backward"
-    from hymo_recipes.titan.data_checks import gradient_accumulation
-
     numel = sum(p.numel() for p in params)
     # gradients summed unsharded over a step's microbatches (fsdp_sync_once_per_step), in the reduction dtype
-    sums = numel * TORCH_DTYPE_MAP[config.training.mixed_precision_reduce].itemsize \
-        if sync_once and gradient_accumulation(config, dp) > 1 else 0
+    sums = numel * TORCH_DTYPE_MAP[config.training.mixed_precision_reduce].itemsize if sync_once else 0
     total = (2 * p_bytes + o_bytes) / dp + gather_bytes + sums
     t = config.training
     act = activation_bytes(model, config)

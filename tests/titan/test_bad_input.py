@@ -234,7 +234,8 @@ def test_run_train_sh_uses_the_repositorys_venv_or_says_how_to_make_one(tmp_path
     ("always", 1, "block", 1, False, False), ("never", 2, "block", 1, True, False),
     ("always", 1, "auto", 1, True, False),  # auto on one rank: the root alone, everything gathered
     ("always", 1, "auto", 2, True, True),  # ... and with accumulation the unsharded gradient sums
-    ("default", 2, "auto", 2, False, False)])
+    ("default", 2, "auto", 2, False, False),
+    ("default", 2, "block-once", 2, True, True)])  # reduced once per step: every unit stays gathered
 def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, units, accumulation, kept_all, sums):
     """Resharding after the forward, FSDP holds two gathered blocks; without it (one rank, by
     default) every block's gathered copy stays until the backward; one unit gathers everything;
@@ -253,7 +254,8 @@ def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, units, accu
                                                       global_batch_size=dp * accumulation),
                              parallelism=SimpleNamespace(fsdp_reshard_after_forward=policy),
                              activation_checkpoint=SimpleNamespace(mode="none"),
-                             hymo=SimpleNamespace(fsdp_units=units, fsdp_sync_once_per_step=False))
+                             hymo=SimpleNamespace(fsdp_units=units.removesuffix("-once"),
+                                                  fsdp_sync_once_per_step=units.endswith("-once")))
     line, _activations = memory_lines(model, {}, config, dp)
     n = sum(p.numel() for p in model.parameters())
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers.values())

@@ -13,9 +13,11 @@ import torch
 
 
 def _config(B=4, T=256, dtype="float32", mode="none", option="2"):
-    return SimpleNamespace(training=SimpleNamespace(local_batch_size=B, seq_len=T, mixed_precision_param=dtype),
+    return SimpleNamespace(training=SimpleNamespace(local_batch_size=B, seq_len=T, mixed_precision_param=dtype,
+                                                    mixed_precision_reduce="float32", global_batch_size=-1),
                            activation_checkpoint=SimpleNamespace(mode=mode, selective_ac_option=option),
-                           parallelism=SimpleNamespace(fsdp_reshard_after_forward="default"))
+                           parallelism=SimpleNamespace(fsdp_reshard_after_forward="default"),
+                           hymo=SimpleNamespace(fsdp_units="auto", fsdp_sync_once_per_step=False))
 
 
 def _meta_model(flavor="debugmodel", **changes):

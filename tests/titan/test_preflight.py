@@ -211,3 +211,19 @@ def test_document_masking_is_refused_for_a_model_other_than_hymo(tmp_path):
     with pytest.raises(SystemExit, match="document_masking is for HyMo models"):  # the held-out loss asks for it
         parse_config(["--job.config_file", str(toml), "--hymo.no-document_masking",
                       "--hymo.validation_document_masking", "on"])
+
+
+def test_the_train_benchs_peer_configs_pass_the_config_check(tmp_path):
+    """benchmarks/train_bench.py trains TorchTitan's own models through HyMo's trainer: their
+    generated configs must pass the same check (document masking off: their forwards take no
+    document boundaries)."""
+    from benchmarks import train_bench
+
+    peers = {p["model"] for p in train_bench.PRESETS.values() if "model" in p}
+    assert {("deepseek_v3", "hymo_mla32"), ("llama3", "450m")} <= peers
+    for model, flavor in sorted(peers):
+        toml = tmp_path / f"{model}_{flavor}.toml"
+        toml.write_text(train_bench._PEER_TOML.format(model=model, flavor=flavor, compile="false"))
+        config = parse_config(["--job.config_file", str(toml), "--experimental.custom_import", "benchmarks.peers"])
+        assert (config.model.name, config.model.flavor) == (model, flavor)
+        assert not config.hymo.document_masking
