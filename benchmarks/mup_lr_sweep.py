@@ -3,6 +3,7 @@
     python -m benchmarks.mup_lr_sweep                                  # GPU: widths 128..1024, 5 lrs, 200 steps
     python -m benchmarks.mup_lr_sweep --parametrizations muP --out benchmarks/mup_lr_sweep   # one half per call
     python -m benchmarks.mup_lr_sweep --dry                            # CPU: 2 tiny widths, 3 lrs, 4 steps
+    for i in 0 1 2 3; do python -m benchmarks.mup_lr_sweep --shard $i/4 & done; wait   # 4 processes, one GPU
 
 For each parametrization (muP with base width = the narrowest width; the standard
 parametrization "SP" = muP off), each width (``hymo_recipes.mup.scale_args_to_width`` of the
@@ -21,7 +22,8 @@ of the validation split after the last step (``heldout``). A run whose loss went
 records inf. fp32 parameters; on the GPU the Triton GDN kernel and TF32 matmuls, no compile.
 
 Every finished run is appended to ``<out>.json`` (a run already there, same settings, is not
-repeated: a call cut by a time limit resumes), then ``<out>.md`` (per parametrization a table of
+repeated: a call cut by a time limit resumes; ``--shard I/N`` splits the missing runs between N
+processes of one call, which append to the same file under a lock), then ``<out>.md`` (per parametrization a table of
 ``final`` by width and lr, the best lr per width and its spread in grid points) and ``<out>.png``
 (final loss against lr, one line per width, a panel per parametrization).
 
@@ -145,6 +147,37 @@ def run_device(parser: argparse.ArgumentParser, dry: bool, report_only: bool) ->
     return torch.device("cuda")
 
 
+def shard_arg(spec: str) -> tuple[int, int]:
+    """``--shard I/N`` -> (I, N): this process runs every N-th run from the I-th on."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {spec!r}: I/N with 0 <= I < N") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {spec!r}: I/N with 0 <= I < N")
+    return i, n
+
+
+def stored_runs(store: Path) -> list[dict]:
+    return json.loads(store.read_text()) if store.exists() else []
+
+
+def append_run(store: Path, row: dict) -> list[dict]:
+    """Adds ``row`` to the runs stored in ``store`` and returns them all. Under an exclusive lock
+    and through a rename, so that the shards of one call (several processes sharing the GPU,
+    ``--shard``) can write one file and a kill never leaves half a file."""
+    import fcntl
+    import os
+
+    with open(store.with_name(store.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = stored_runs(store) + [row]
+        tmp = store.with_name(store.name + ".tmp")
+        tmp.write_text(json.dumps(rows, indent=1) + "\n")
+        os.replace(tmp, store)
+    return rows
+
+
 def best_lrs(results: list[dict], parametrization: str) -> dict[int, float]:
     """{width: the lr multiplier of the lowest ``final``} over the runs of one parametrization."""
     best: dict[int, tuple[float, float]] = {}
@@ -232,6 +265,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/mup_lr_sweep", help="output prefix (.json, .md, .png)")
     p.add_argument("--report-only", action="store_true",
                    help="write .md and .png from the GPU runs already in .json (any machine); run nothing")
+    p.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
+                   help="run every N-th run of the grid from the I-th on (those not stored yet): N processes of "
+                        "one call share the GPU (its small runs leave it mostly idle) and one .json")
     a = p.parse_args(argv)
     dry = a.dry
     widths = a.widths or ([32, 64] if dry else [128, 256, 512, 1024])
@@ -260,7 +296,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     store = out.with_suffix(".json")
-    results: list[dict] = json.loads(store.read_text()) if store.exists() else []
+    results = stored_runs(store)
     setting = dict(flavor=a.flavor, optimizer=a.optimizer, lr=a.lr, normuon_lr=a.normuon_lr, steps=steps,
                    batch=batch, seq=seq, layers=base.n_layers, seed=a.seed, max_norm=a.max_norm,
                    base_width=min(widths), device=device.type)
@@ -268,19 +304,18 @@ def main(argv=None) -> int:
     machine = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}"
                if not a.report_only else None)
     t0 = time.perf_counter()
-    for par in [] if a.report_only else a.parametrizations:
-        for w in widths:
-            args = model_args_at(base, w, mup=par == "muP", base_width=min(widths))
-            for m in grid:
-                if (par, w, m) in done:
-                    continue
-                r = run_one(args, batches, heldout, cfg(m), steps=steps, batch=batch, max_norm=a.max_norm,
-                            seed=a.seed, device=device)
-                results.append(dict(parametrization=par, width=w, lr_mult=m, setting=setting, machine=machine, **r))
-                store.write_text(json.dumps(results, indent=1) + "\n")
-                print(f"mup_lr_sweep: {par} width {w} lr x {m:g}: final {r['final']:.4f}, held-out "
-                      f"{r['heldout']:.4f} ({r['seconds']:.1f} s)", flush=True)
-    results = [r for r in results if r["setting"] == setting]
+    shard, shards = a.shard
+    grid_runs = [(par, w, m) for par in ([] if a.report_only else a.parametrizations) for w in widths for m in grid]
+    # a shard's share is fixed by the whole grid, so that a resumed call picks up where it stopped
+    for par, w, m in [k for k in grid_runs[shard::shards] if k not in done]:
+        args = model_args_at(base, w, mup=par == "muP", base_width=min(widths))
+        r = run_one(args, batches, heldout, cfg(m), steps=steps, batch=batch, max_norm=a.max_norm,
+                    seed=a.seed, device=device)
+        results = append_run(store, dict(parametrization=par, width=w, lr_mult=m, setting=setting, machine=machine,
+                                         **r))
+        print(f"mup_lr_sweep: {par} width {w} lr x {m:g}: final {r['final']:.4f}, held-out "
+              f"{r['heldout']:.4f} ({r['seconds']:.1f} s)", flush=True)
+    results = [r for r in stored_runs(store) if r["setting"] == setting]  # the other shards' runs too
     grid = sorted(set(grid) | {r["lr_mult"] for r in results})  # runs of earlier calls' grids too
     machines = "; ".join(sorted({r.get("machine") or "GPU" for r in results}))
     meta = (f"Flavor {a.flavor} at widths {widths} (muP base width {min(widths)}), {base.n_layers} layers, vocab "

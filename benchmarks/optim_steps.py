@@ -4,6 +4,7 @@
     python -m benchmarks.optim_steps --steps 1000 --seeds 0 1 2 3
     python -m benchmarks.optim_steps --report-only         # the table and plot from the stored runs
     python -m benchmarks.optim_steps --dry                 # CPU: 4 layers at width 64, 12 steps
+    for i in 0 1 2 3; do python -m benchmarks.optim_steps --shard $i/4 & done; wait   # 4 processes, one GPU
 
 Each run is ``benchmarks.mup_lr_sweep.run_one`` in this process: the flavor (hymo_small's
 shape, muP off) built and initialised with the run's seed, HyMo's optimizers from its own builder
@@ -23,7 +24,9 @@ again from its start when the run needs more). The per-step main-head cross-entr
    steps the same way (at most ``--steps``). Ratio = the tuned NorMuon runs' mean steps over
    tuned AdamW's. The issue's goal: ≤ 0.8.
 
-Every finished run is appended to ``<out>.json`` (a call cut by its time limit resumes), then
+Every finished run is appended to ``<out>.json`` (a call cut by its time limit resumes; with
+``--shard I/N`` N processes of one call split each phase's missing runs and append to the same
+file under a lock; run the shards again once all tuning runs are in), then
 ``<out>.md`` (the tuning table, the per-seed table, the ratio and the wall time) and ``<out>.png``
 (the smoothed curves of the seeded runs). Exit 0 if the ratio is ≤ ``--goal``, 1 otherwise or
 when runs are missing.
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -43,7 +45,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.mup_coord_check import optimizer_config
-from benchmarks.mup_lr_sweep import REPO, brown_windows, run_device, run_one
+from benchmarks.mup_lr_sweep import REPO, append_run, brown_windows, run_device, run_one, shard_arg, stored_runs
 from hymo_recipes.model import hymo_flavors
 
 NORMUON_LR, ADAMW_LR = 0.02, 3e-4  # the seed's settings (DESIGN.md §3)
@@ -172,18 +174,22 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="default 8")
     p.add_argument("--seq", type=int, default=None, help="default 512")
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=None, help="default 3e-4 6e-4 1.2e-3 2.4e-3 4.8e-3")
-    p.add_argument("--normuon-mults", type=float, nargs="+", default=None, help="default 0.5 1 2 4")
+    p.add_argument("--normuon-mults", type=float, nargs="+", default=None, help="default 0.5 1 2 4 8 16")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (the first tunes)")
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--goal", type=float, default=0.8)
     p.add_argument("--out", default="benchmarks/optim_steps", help="output prefix (.json, .md, .png)")
     p.add_argument("--report-only", action="store_true", help="write .md and .png from the stored runs; run nothing")
+    p.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
+                   help="run every N-th run of each phase from the I-th on (those not stored yet; N processes of one "
+                        "call share the GPU and one .json); the seeded phase starts once every shard's tuning runs are in")
     a = p.parse_args(argv)
     dry = a.dry
     steps = a.steps or (12 if dry else 600)
     batch, seq = a.batch or (2 if dry else 8), a.seq or (32 if dry else 512)
     adamw_lrs = a.adamw_lrs or ([1e-3, 4e-3] if dry else [3e-4, 6e-4, 1.2e-3, 2.4e-3, 4.8e-3])
-    mults = a.normuon_mults or ([1.0, 2.0] if dry else [0.5, 1.0, 2.0, 4.0])
+    # up to x 16: 200-step muP sweeps at this batch found x 8 best (benchmarks/mup_lr_sweep.md)
+    mults = a.normuon_mults or ([1.0, 2.0] if dry else [0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
     if 1.0 not in mults:
         mults = sorted(mults + [1.0])  # the shipped setting is always a row
     seeds = a.seeds or ([0, 1] if dry else [0, 1, 2])
@@ -206,8 +212,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     store = out.with_suffix(".json")
-    stored = json.loads(store.read_text()) if store.exists() else []
-    results = [r for r in stored if r["setting"] == setting]
+    results = [r for r in stored_runs(store) if r["setting"] == setting]
     machine = None if a.report_only else (
         f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}")
     t0 = time.perf_counter()
@@ -215,28 +220,31 @@ def main(argv=None) -> int:
         batches = brown_windows("train", steps * batch, seq, tokenizer_dir, data_dir, repeat=True)
         heldout = brown_windows("validation", batch, seq, tokenizer_dir, data_dir)
 
-        def run(name: str, lr: float, seed: int) -> None:
-            if (name, lr, seed) in {run_key(r) for r in results}:
-                return
-            cfg = (optimizer_config("AdamW", lr=lr) if name == "AdamW"
-                   else optimizer_config("NorMuon", lr=ADAMW_LR * lr, normuon_lr=NORMUON_LR * lr,
-                                         normuon_ortho_dtype="float32" if dry else "bfloat16"))
-            r = run_one(args, batches, heldout, cfg, steps=steps, batch=batch, max_norm=a.max_norm, seed=seed,
-                        device=device, curve=True)
-            results.append(dict(optimizer=name, lr=lr, seed=seed, setting=setting, machine=machine, **r))
-            stored.append(results[-1])
-            store.write_text(json.dumps(stored) + "\n")
-            print(f"optim_steps: {name} lr {'x ' if name == 'NorMuon' else ''}{lr:g} seed {seed}: final "
-                  f"{r['final']:.4f}, held-out {r['heldout']:.4f} ({r['seconds']:.0f} s)", flush=True)
+        shard, shards = a.shard
 
-        for lr in adamw_lrs:
-            run("AdamW", lr, seeds[0])
-        for m in mults:
-            run("NorMuon", m, seeds[0])
-        tuned = [(name, best(results, name, seeds[0])["lr"]) for name in ("AdamW", "NorMuon")] + [("NorMuon", 1.0)]
-        for seed in seeds[1:]:
-            for name, lr in dict.fromkeys(tuned):
-                run(name, lr, seed)
+        def run_all(keys: list[tuple[str, float, int]]) -> list[dict]:
+            """This shard's share of ``keys`` (every N-th from the I-th: fixed, so that a resumed call
+            picks up where it stopped), those not stored yet; then every stored run."""
+            have = {run_key(r) for r in results}
+            for name, lr, seed in [k for k in keys[shard::shards] if k not in have]:
+                cfg = (optimizer_config("AdamW", lr=lr) if name == "AdamW"
+                       else optimizer_config("NorMuon", lr=ADAMW_LR * lr, normuon_lr=NORMUON_LR * lr,
+                                             normuon_ortho_dtype="float32" if dry else "bfloat16"))
+                r = run_one(args, batches, heldout, cfg, steps=steps, batch=batch, max_norm=a.max_norm, seed=seed,
+                            device=device, curve=True)
+                append_run(store, dict(optimizer=name, lr=lr, seed=seed, setting=setting, machine=machine, **r))
+                print(f"optim_steps: {name} lr {'x ' if name == 'NorMuon' else ''}{lr:g} seed {seed}: final "
+                      f"{r['final']:.4f}, held-out {r['heldout']:.4f} ({r['seconds']:.0f} s)", flush=True)
+            return [r for r in stored_runs(store) if r["setting"] == setting]  # the other shards' runs too
+
+        tuning = [("AdamW", lr, seeds[0]) for lr in adamw_lrs] + [("NorMuon", m, seeds[0]) for m in mults]
+        results = run_all(tuning)
+        if set(tuning) <= {run_key(r) for r in results}:
+            tuned = [(name, best(results, name, seeds[0])["lr"]) for name in ("AdamW", "NorMuon")] + [("NorMuon", 1.0)]
+            results = run_all([(name, lr, seed) for seed in seeds[1:] for name, lr in dict.fromkeys(tuned)])
+        else:
+            print("optim_steps: the tuning runs of other shards are not all stored yet: the seeded runs wait for the "
+                  "next call", flush=True)
 
     machines = "; ".join(sorted({r.get("machine") or "GPU" for r in results})) or "no runs"
     meta = (f"Flavor {a.flavor} ({args.n_layers} layers, dim {args.dim}, vocab {vocab}), {steps} steps of {batch} x "

@@ -65,3 +65,39 @@ def test_report_only_needs_no_gpu_for_stored_gpu_runs(tmp_path, capsys):
     assert "NVIDIA H200, torch 2.11.0+cu130" in md and "## SP" in md
     assert "best lr spans 0 grid point(s) with muP, 3 without: transfers" in capsys.readouterr().out
     assert json.loads(out.with_suffix(".json").read_text()) == runs  # nothing ran, nothing added
+
+
+def _append_many(args):
+    store, worker = args
+    for i in range(20):
+        mup_lr_sweep.append_run(store, dict(worker=worker, i=i))
+
+
+def test_shards_append_to_one_file_without_losing_a_run(tmp_path):
+    """Four processes appending at once (as the shards of one call do): every row is stored."""
+    import multiprocessing
+
+    store = tmp_path / "runs.json"
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        pool.map(_append_many, [(store, w) for w in range(4)])
+    rows = json.loads(store.read_text())
+    assert sorted((r["worker"], r["i"]) for r in rows) == [(w, i) for w in range(4) for i in range(20)]
+
+
+def test_dry_run_in_two_shards_stores_each_run_once(tmp_path):
+    out = tmp_path / "sweep"
+    mup_lr_sweep.main(["--dry", "--out", str(out), "--shard", "1/2"])
+    half = json.loads(out.with_suffix(".json").read_text())
+    assert len(half) == 6
+    mup_lr_sweep.main(["--dry", "--out", str(out), "--shard", "0/2"])
+    runs = json.loads(out.with_suffix(".json").read_text())
+    keys = [(r["parametrization"], r["width"], r["lr_mult"]) for r in runs]
+    assert len(keys) == len(set(keys)) == 12
+
+
+def test_a_bad_shard_is_a_parser_error():
+    import pytest
+
+    for spec in ("2/2", "1", "a/b", "-1/2"):
+        with pytest.raises(SystemExit):
+            mup_lr_sweep.main(["--dry", "--shard", spec])

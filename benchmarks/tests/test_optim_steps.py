@@ -65,3 +65,26 @@ def test_dry_run_tunes_then_seeds_and_resumes(tmp_path, capsys):
     out.with_suffix(".md").unlink()
     assert optim_steps.main(["--dry", "--out", str(out), "--report-only"]) == code
     assert out.with_suffix(".md").read_text().split("## Tuning")[1] == table
+
+
+def test_dry_run_in_two_shards_runs_each_run_once(tmp_path, capsys):
+    """--shard: two processes of one call split each phase; the seeded phase waits until every
+    tuning run is stored (shard 0 first alone: its tuning share only), and the two calls of
+    each shard together store exactly the runs of one unsharded call."""
+    out = tmp_path / "os"
+    optim_steps.main(["--dry", "--out", str(out), "--shard", "0/2"])
+    first = json.loads(out.with_suffix(".json").read_text())
+    assert len(first) == 2 and all(r["seed"] == 0 for r in first)
+    assert "the seeded runs wait for the next call" in capsys.readouterr().out
+    optim_steps.main(["--dry", "--out", str(out), "--shard", "1/2"])  # the rest of the tuning, then its seeded share
+    optim_steps.main(["--dry", "--out", str(out), "--shard", "0/2"])
+    runs = json.loads(out.with_suffix(".json").read_text())
+    keys = [(r["optimizer"], r["lr"], r["seed"]) for r in runs]
+    best = {n: min((r for r in runs if r["optimizer"] == n and r["seed"] == 0), key=lambda r: r["final"])["lr"]
+            for n in ("AdamW", "NorMuon")}
+    seeded = {("AdamW", best["AdamW"], 1), ("NorMuon", best["NorMuon"], 1), ("NorMuon", 1.0, 1)}
+    assert len(keys) == len(set(keys)) and set(keys) == {k for k in keys if k[2] == 0} | seeded
+    assert len([k for k in keys if k[2] == 0]) == 4
+    capsys.readouterr()
+    optim_steps.main(["--dry", "--out", str(out), "--shard", "1/2"])
+    assert "optim_steps: " not in capsys.readouterr().out.split("# ")[0]  # nothing left to run
