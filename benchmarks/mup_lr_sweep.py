@@ -22,10 +22,11 @@ of the validation split after the last step (``heldout``). A run whose loss went
 records inf. fp32 parameters; on the GPU the Triton GDN kernel and TF32 matmuls, no compile.
 
 Every finished run is appended to ``<out>.json`` (a run already there, same settings, is not
-repeated: a call cut by a time limit resumes; ``--shard I/N`` splits the missing runs between N
-processes of one call, which append to the same file under a lock), then ``<out>.md`` (per parametrization a table of
-``final`` by width and lr, the best lr per width and its spread in grid points) and ``<out>.png``
-(final loss against lr, one line per width, a panel per parametrization).
+repeated: a call cut by a time limit resumes; ``--shard I/N`` gives N processes of one call
+every N-th run of the grid each, appended to the same file under a lock), then ``<out>.md`` (per
+parametrization a table of ``final`` by width and lr, the best lr per width and its spread in
+grid points) and ``<out>.png`` (final loss against lr, one line per width, a panel per
+parametrization).
 
 Criterion (the issue's): under muP the best lr moves by at most one grid point from the narrowest
 to the widest width; without muP it moves. Exit 0 when both parametrizations ran, muP's best lr

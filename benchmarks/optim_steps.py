@@ -25,8 +25,8 @@ again from its start when the run needs more). The per-step main-head cross-entr
    tuned AdamW's. The issue's goal: ≤ 0.8.
 
 Every finished run is appended to ``<out>.json`` (a call cut by its time limit resumes; with
-``--shard I/N`` N processes of one call split each phase's missing runs and append to the same
-file under a lock; run the shards again once all tuning runs are in), then
+``--shard I/N`` N processes of one call take every N-th run of each phase each and append to the
+same file under a lock; run the shards again once all tuning runs are in), then
 ``<out>.md`` (the tuning table, the per-seed table, the ratio and the wall time) and ``<out>.png``
 (the smoothed curves of the seeded runs). Exit 0 if the ratio is ≤ ``--goal``, 1 otherwise or
 when runs are missing.

@@ -227,12 +227,12 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
     state = [v for opt in optimizers.values() for s in opt.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
     o_bytes = _tensor_bytes(state)
+    from hymo_recipes.titan.data_checks import gradient_accumulation
     from hymo_recipes.titan.parallelize import fsdp_plan, reshard_after_forward
 
     gathered = TORCH_DTYPE_MAP[config.training.mixed_precision_param].itemsize
+    numel = sum(p.numel() for p in params)
     block = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()), default=0)
-    from hymo_recipes.titan.data_checks import gradient_accumulation
-
     units, sync_once = fsdp_plan(getattr(config, "hymo", None), dp)
     # reduced once per step, every unit stays gathered from a microbatch's backward to the next forward
     sync_once = sync_once and gradient_accumulation(config, dp) > 1
@@ -241,8 +241,7 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
         # FSDP2 gathers one block ahead (forward and backward prefetch): two blocks at a time
         gather_bytes, gathers = 2 * block * gathered, "all-gathered blocks"
     else:  # every block's gathered copy stays from its forward to its backward
-        gather_bytes, gathers = sum(p.numel() for p in params) * gathered, "gathered copies kept for the backward"
-    numel = sum(p.numel() for p in params)
+        gather_bytes, gathers = numel * gathered, "gathered copies kept for the backward"
     # gradients summed unsharded over a step's microbatches (fsdp_sync_once_per_step), in the reduction dtype
     sums = numel * TORCH_DTYPE_MAP[config.training.mixed_precision_reduce].itemsize if sync_once else 0
     total = (2 * p_bytes + o_bytes) / dp + gather_bytes + sums
