@@ -1,23 +1,33 @@
 """Steps to a loss: NorMuon + CautiousAdamW against AdamW with its lr tuned, same tokens and seeds.
 
     python -m benchmarks.optim_steps                       # GPU: hymo_small, 600 steps, tune then 3 seeds
-    python -m benchmarks.optim_steps --steps 1000 --seeds 0 1 2 3
+    python -m benchmarks.optim_steps --normuon-lrs 0.04:2.4e-3 0.04:2.4e-3:moe --cautious-lrs 2.4e-3
     python -m benchmarks.optim_steps --report-only         # the table and plot from the stored runs
     python -m benchmarks.optim_steps --dry                 # CPU: 4 layers at width 64, 12 steps
     for i in 0 1 2 3; do python -m benchmarks.optim_steps --shard $i/4 & done; wait   # 4 processes, one GPU
 
 Each run is ``benchmarks.mup_lr_sweep.run_one`` in this process: the flavor (hymo_small's
 shape, muP off) built and initialised with the run's seed, HyMo's optimizers from its own builder
-(``optimizers_for_part``: the partition table for "NorMuon", TorchTitan's AdamW over every
-parameter for "AdamW"), HyMo's warmup-stable-decay schedule (2 % / 83 % / 15 %), clipping at
-``--max-norm``, fp32 parameters and TF32 matmuls on the GPU (no compile), and ``--steps`` steps of
-``--batch`` × ``--seq`` Brown tokens in the same order for every run (the training split read
-again from its start when the run needs more). The per-step main-head cross-entropy is kept.
+(``optimizers_for_part``: the partition table for "NorMuon" and "CautiousAdamW", TorchTitan's
+AdamW over every parameter for "AdamW"), HyMo's warmup-stable-decay schedule (2 % / 83 % / 15 %),
+clipping at ``--max-norm``, fp32 parameters and TF32 matmuls on the GPU (no compile), and
+``--steps`` steps of ``--batch`` × ``--seq`` Brown tokens in the same order for every run (the
+training split read again from its start when the run needs more). The per-step main-head
+cross-entropy is kept.
 
-1. Tuning, on the first seed: AdamW at each of ``--adamw-lrs``; NorMuon + CautiousAdamW at each of
-   ``--normuon-mults`` × (NorMuon lr 0.02, CautiousAdamW lr 3e-4: the seed's settings at × 1).
-   The best of each = the lowest final loss (mean main-head CE of the last tenth of the steps).
-2. Both best settings at every seed of ``--seeds`` (and NorMuon at × 1, the shipped default, too).
+A recipe is (optimizer, lr, NorMuon lr, MoE on NorMuon): ``lr`` is AdamW's, or CautiousAdamW's
+(for "NorMuon" the lr of the table's CautiousAdamW groups: embedding, norms, gates, and the MoE
+router and experts unless they are on NorMuon).
+
+1. Tuning, on the first seed: AdamW at each of ``--adamw-lrs``; NorMuon + CautiousAdamW at each
+   of ``--normuon-mults`` × the shipped lrs (both scaled together) and at each pair of
+   ``--normuon-lrs NORMUON_LR:LR[:moe]`` (set apart; ``:moe`` puts the MoE on NorMuon);
+   CautiousAdamW over every parameter at each of ``--cautious-lrs`` (a diagnostic: the cautious
+   AdamW and the table's decays without NorMuon). The best AdamW and the best NorMuon recipe =
+   the lowest final loss (mean main-head CE of the last tenth of the steps) among the stored
+   runs of the first seed.
+2. Both best recipes at every seed of ``--seeds``, and the shipped recipe (job_config's
+   defaults) too.
 3. Per seed, the target = that seed's tuned-AdamW final loss, which AdamW reaches at its last
    step by construction; a NorMuon run's steps to it = the first step whose trailing mean over a
    window of a tenth of the steps (the final loss's window) is at or below it, and AdamW's own
@@ -41,18 +51,64 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from benchmarks.mup_coord_check import optimizer_config
 from benchmarks.mup_lr_sweep import REPO, append_run, brown_windows, run_device, run_one, shard_arg, stored_runs
 from hymo_recipes.model import hymo_flavors
+from hymo_recipes.titan.job_config import Optimizer as _OptimizerFields
 
-NORMUON_LR, ADAMW_LR = 0.02, 3e-4  # the seed's settings (DESIGN.md §3)
+
+def _lr(x: float) -> float:
+    """An lr as stored and compared: 6 significant digits (3e-4 × 8 and 2.4e-3 are one lr)."""
+    return float(f"{x:.6g}")
+
+
+class Recipe(NamedTuple):
+    optimizer: str  # "AdamW", "CautiousAdamW" or "NorMuon"
+    lr: float  # AdamW's, or CautiousAdamW's (for NorMuon: its CautiousAdamW groups')
+    normuon_lr: float | None = None
+    moe_on_normuon: bool = False
+
+    def label(self) -> str:
+        if self.optimizer != "NorMuon":
+            return f"{self.optimizer} {self.lr:g}"
+        return f"NorMuon {self.normuon_lr:g} + CautiousAdamW {self.lr:g}" + (", MoE on NorMuon" if
+                                                                              self.moe_on_normuon else "")
+
+    def config(self, dry: bool):
+        if self.optimizer != "NorMuon":
+            return optimizer_config(self.optimizer, lr=self.lr)
+        return optimizer_config("NorMuon", lr=self.lr, normuon_lr=self.normuon_lr, moe_on_normuon=self.moe_on_normuon,
+                                normuon_ortho_dtype="float32" if dry else "bfloat16")
+
+
+_FIELDS = _OptimizerFields()
+SHIPPED = Recipe("NorMuon", _lr(_FIELDS.lr), _lr(_FIELDS.normuon_lr), _FIELDS.moe_on_normuon)
+
+
+def recipe_of(r: dict) -> Recipe:
+    return Recipe(r["optimizer"], r["lr"], r.get("normuon_lr"), r.get("moe_on_normuon", False))
 
 
 def run_key(r: dict) -> tuple:
-    return (r["optimizer"], r["lr"], r["seed"])
+    return (*recipe_of(r), r["seed"])
+
+
+def normuon_pair(spec: str) -> Recipe:
+    """``--normuon-lrs NORMUON_LR:LR[:moe]`` -> its NorMuon recipe."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "moe"):
+            raise ValueError
+        n, a = float(parts[0]), float(parts[1])
+        if not (n > 0 and a > 0):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--normuon-lrs {spec!r}: NORMUON_LR:LR or NORMUON_LR:LR:moe, both > 0") from None
+    return Recipe("NorMuon", _lr(a), _lr(n), len(parts) == 3)
 
 
 def trailing_mean(curve: list[float], window: int) -> list[float]:
@@ -75,6 +131,7 @@ def steps_to(curve: list[float], target: float, window: int) -> int | None:
 
 
 def best(results: list[dict], optimizer: str, seed: int) -> dict | None:
+    """The stored run of ``optimizer`` (any of its recipes) at ``seed`` with the lowest final loss."""
     runs = [r for r in results if r["optimizer"] == optimizer and r["seed"] == seed and math.isfinite(r["final"])]
     return min(runs, key=lambda r: r["final"]) if runs else None
 
@@ -88,12 +145,12 @@ def verdict(results: list[dict], seeds: list[int], window: int) -> dict | None:
         return None
     by_key = {run_key(r): r for r in results}
     rows = {}
-    for label, name, lr in (("adamw", "AdamW", tuned["AdamW"]["lr"]), ("normuon", "NorMuon", tuned["NorMuon"]["lr"]),
-                            ("default", "NorMuon", 1.0)):
-        runs = [by_key.get((name, lr, s)) for s in seeds]
+    for label, recipe in (("adamw", recipe_of(tuned["AdamW"])), ("normuon", recipe_of(tuned["NorMuon"])),
+                          ("default", SHIPPED)):
+        runs = [by_key.get((*recipe, s)) for s in seeds]
         if None in runs:
             return None
-        rows[label] = dict(optimizer=name, lr=lr, runs=runs)
+        rows[label] = dict(recipe=recipe, runs=runs)
     # AdamW's final loss as its own curve gives it (the same arithmetic as the trailing means)
     targets = [trailing_mean(r["curve"], window)[-1] for r in rows["adamw"]["runs"]]
     for row in rows.values():
@@ -109,26 +166,26 @@ def verdict(results: list[dict], seeds: list[int], window: int) -> dict | None:
 def markdown(results: list[dict], seeds: list[int], window: int, meta: str) -> str:
     lines = ["# NorMuon + CautiousAdamW against tuned AdamW: steps to AdamW's final loss", "", meta, "",
              f"## Tuning (seed {seeds[0]}): final main-head CE (mean of the last {window} steps), held-out CE", "",
-             "| optimizer | lr | final | held-out | seconds |", "|---|---|---|---|---|"]
-    for r in sorted((r for r in results if r["seed"] == seeds[0]), key=lambda r: (r["optimizer"], r["lr"])):
-        lr = f"× {r['lr']:g}" if r["optimizer"] == "NorMuon" else f"{r['lr']:g}"
-        lines.append(f"| {r['optimizer']} | {lr} | {r['final']:.4f} | {r['heldout']:.4f} | {r['seconds']:.0f} |")
+             "| recipe | final | held-out | seconds |", "|---|---|---|---|"]
+    for r in sorted((r for r in results if r["seed"] == seeds[0]),
+                    key=lambda r: (r["optimizer"], r.get("moe_on_normuon", False), r.get("normuon_lr") or 0, r["lr"])):
+        lines.append(f"| {recipe_of(r).label()} | {r['final']:.4f} | {r['heldout']:.4f} | {r['seconds']:.0f} |")
     v = verdict(results, seeds, window)
     if v is None:
         lines += ["", "Seeded runs missing: no verdict yet."]
         return "\n".join(lines)
     targets = ", ".join(f"{t:.4f}" for t in v["targets"])
     lines += ["", f"## Seeds {seeds}: per seed the target is tuned AdamW's final loss ({targets})", "",
-              "| run | lr | final (mean) | steps to the target, per seed | mean steps | seconds per run |",
+              "| run | recipe | final (mean) | steps to the target, per seed | mean steps | seconds per run |",
               "|---|---|---|---|---|---|"]
     for label in ("adamw", "normuon", "default"):
         row = v[label]
-        lr = f"× {row['lr']:g}" if row["optimizer"] == "NorMuon" else f"{row['lr']:g}"
         steps = ", ".join("not reached" if s is None else str(s) for s in row["steps"])
         mean = "–" if row["mean_steps"] is None else f"{row['mean_steps']:.0f}"
         name = {"adamw": "AdamW (tuned)", "normuon": "NorMuon + CautiousAdamW (tuned)",
-                "default": "NorMuon + CautiousAdamW (shipped, × 1)"}[label]
-        lines.append(f"| {name} | {lr} | {row['final']:.4f} | {steps} | {mean} | {row['seconds']:.0f} |")
+                "default": "NorMuon + CautiousAdamW (shipped)"}[label]
+        lines.append(f"| {name} | {row['recipe'].label()} | {row['final']:.4f} | {steps} | {mean} | "
+                     f"{row['seconds']:.0f} |")
     ratio = "–" if v["ratio"] is None else f"{v['ratio']:.2f}"
     lines += ["", f"Steps to tuned AdamW's final loss, NorMuon + CautiousAdamW (tuned) over AdamW (tuned): "
               f"**{ratio}** (goal ≤ 0.8)."]
@@ -149,8 +206,10 @@ def plot(results: list[dict], seeds: list[int], window: int, path: Path) -> bool
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, color in (("adamw", "tab:blue"), ("normuon", "tab:red"), ("default", "tab:orange")):
         row = v[label]
+        if label == "default" and row["recipe"] == v["normuon"]["recipe"]:
+            continue  # the shipped recipe is the tuned one: its curves are drawn already
         for i, r in enumerate(row["runs"]):
-            name = f"{row['optimizer']} lr {'×' if row['optimizer'] == 'NorMuon' else ''}{row['lr']:g}"
+            name = row["recipe"].label()
             ax.plot(range(1, len(r["curve"]) + 1), trailing_mean(r["curve"], window), color=color, alpha=0.8,
                     lw=1, label=name + (" (shipped)" if label == "default" else "") if i == 0 else None)
     target = statistics.fmean(v["targets"])
@@ -174,7 +233,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="default 8")
     p.add_argument("--seq", type=int, default=None, help="default 512")
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=None, help="default 3e-4 6e-4 1.2e-3 2.4e-3 4.8e-3")
-    p.add_argument("--normuon-mults", type=float, nargs="+", default=None, help="default 0.5 1 2 4 8 16")
+    p.add_argument("--normuon-mults", type=float, nargs="+", default=None,
+                   help="NorMuon recipes: both shipped lrs times each (default 0.5 1 2 4 8 16)")
+    p.add_argument("--normuon-lrs", type=normuon_pair, nargs="+", default=[], metavar="NORMUON_LR:LR[:moe]",
+                   help="more NorMuon recipes, the two lrs set apart (':moe': the MoE on NorMuon too)")
+    p.add_argument("--cautious-lrs", type=float, nargs="+", default=[],
+                   help="CautiousAdamW over every parameter at each lr (tuning seed only)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (the first tunes)")
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--goal", type=float, default=0.8)
@@ -190,8 +254,6 @@ def main(argv=None) -> int:
     adamw_lrs = a.adamw_lrs or ([1e-3, 4e-3] if dry else [3e-4, 6e-4, 1.2e-3, 2.4e-3, 4.8e-3])
     # up to x 16: 200-step muP sweeps at this batch found x 8 best (benchmarks/mup_lr_sweep.md)
     mults = a.normuon_mults or ([1.0, 2.0] if dry else [0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
-    if 1.0 not in mults:
-        mults = sorted(mults + [1.0])  # the shipped setting is always a row
     seeds = a.seeds or ([0, 1] if dry else [0, 1, 2])
     window = max(1, steps // 10)  # run_one's final-loss window
     device = run_device(p, dry, a.report_only)
@@ -222,34 +284,36 @@ def main(argv=None) -> int:
 
         shard, shards = a.shard
 
-        def run_all(keys: list[tuple[str, float, int]]) -> list[dict]:
+        def run_all(keys: list[tuple[Recipe, int]]) -> list[dict]:
             """This shard's share of ``keys`` (every N-th from the I-th: fixed, so that a resumed call
             picks up where it stopped), those not stored yet; then every stored run."""
             have = {run_key(r) for r in results}
-            for name, lr, seed in [k for k in keys[shard::shards] if k not in have]:
-                cfg = (optimizer_config("AdamW", lr=lr) if name == "AdamW"
-                       else optimizer_config("NorMuon", lr=ADAMW_LR * lr, normuon_lr=NORMUON_LR * lr,
-                                             normuon_ortho_dtype="float32" if dry else "bfloat16"))
-                r = run_one(args, batches, heldout, cfg, steps=steps, batch=batch, max_norm=a.max_norm, seed=seed,
-                            device=device, curve=True)
-                append_run(store, dict(optimizer=name, lr=lr, seed=seed, setting=setting, machine=machine, **r))
-                print(f"optim_steps: {name} lr {'x ' if name == 'NorMuon' else ''}{lr:g} seed {seed}: final "
-                      f"{r['final']:.4f}, held-out {r['heldout']:.4f} ({r['seconds']:.0f} s)", flush=True)
+            for recipe, seed in [k for k in keys[shard::shards] if (*k[0], k[1]) not in have]:
+                r = run_one(args, batches, heldout, recipe.config(dry), steps=steps, batch=batch, max_norm=a.max_norm,
+                            seed=seed, device=device, curve=True)
+                append_run(store, dict(recipe._asdict(), seed=seed, setting=setting, machine=machine, **r))
+                print(f"optim_steps: {recipe.label()} seed {seed}: final {r['final']:.4f}, held-out "
+                      f"{r['heldout']:.4f} ({r['seconds']:.0f} s)", flush=True)
             return [r for r in stored_runs(store) if r["setting"] == setting]  # the other shards' runs too
 
-        tuning = [("AdamW", lr, seeds[0]) for lr in adamw_lrs] + [("NorMuon", m, seeds[0]) for m in mults]
+        recipes = ([Recipe("AdamW", _lr(lr)) for lr in adamw_lrs]
+                   + [Recipe("NorMuon", _lr(SHIPPED.lr * m), _lr(SHIPPED.normuon_lr * m), SHIPPED.moe_on_normuon)
+                      for m in mults]
+                   + a.normuon_lrs + [Recipe("CautiousAdamW", _lr(lr)) for lr in a.cautious_lrs])
+        recipes = list(dict.fromkeys(recipes + [SHIPPED]))  # the shipped recipe is always a row
+        tuning = [(recipe, seeds[0]) for recipe in recipes]
         results = run_all(tuning)
-        if set(tuning) <= {run_key(r) for r in results}:
-            tuned = [(name, best(results, name, seeds[0])["lr"]) for name in ("AdamW", "NorMuon")] + [("NorMuon", 1.0)]
-            results = run_all([(name, lr, seed) for seed in seeds[1:] for name, lr in dict.fromkeys(tuned)])
+        if {(*k[0], k[1]) for k in tuning} <= {run_key(r) for r in results}:
+            tuned = [recipe_of(best(results, name, seeds[0])) for name in ("AdamW", "NorMuon")] + [SHIPPED]
+            results = run_all([(recipe, seed) for seed in seeds[1:] for recipe in dict.fromkeys(tuned)])
         else:
             print("optim_steps: the tuning runs of other shards are not all stored yet: the seeded runs wait for the "
                   "next call", flush=True)
 
     machines = "; ".join(sorted({r.get("machine") or "GPU" for r in results})) or "no runs"
     meta = (f"Flavor {a.flavor} ({args.n_layers} layers, dim {args.dim}, vocab {vocab}), {steps} steps of {batch} x "
-            f"{seq} Brown tokens (the same order for every run), WSD 2/83/15 %, clipping {a.max_norm}; NorMuon lr "
-            f"{NORMUON_LR} and CautiousAdamW lr {ADAMW_LR} at x 1; {machines}; this call "
+            f"{seq} Brown tokens (the same order for every run), WSD 2/83/15 %, clipping {a.max_norm}; shipped: "
+            f"{SHIPPED.label()}; {machines}; this call "
             f"{time.perf_counter() - t0:.0f} s. Command: python -m benchmarks.optim_steps "
             + " ".join(argv if argv is not None else sys.argv[1:]))
     text = markdown(results, seeds, window, meta)
