@@ -9,7 +9,9 @@ The modules, on the same input x [B, T, dim] (bf16 on the GPU):
   40 heads, K = V = 32), the Triton backend with its fused ops (hymo_kernels.gdn.mixer), compiled
   as training compiles it (per module, ``torch.compile``) unless ``--no-compile``;
   ``hymo_keep`` the same keeping the conv outputs and the gated norm's output for the backward
-  (``gdn_mixer_saves = "outputs"``) instead of recomputing them;
+  (``gdn_mixer_saves = "outputs"``) instead of recomputing them; ``hymo_local`` the same with
+  the kernel's "local" backward (``gdn_bwd_path = "local"``: only chunk-boundary states saved,
+  the sub-chunk states recomputed in the backward);
   ``hymo_unfused`` the same with ``gdn_fused_mixer = False`` (conv, norms and gates in PyTorch);
 - ``fla``: flash-linear-attention's ``fla.layers.GatedDeltaNet`` at the same shape (short conv,
   output gate, chunk mode; its own fused kernels; never compiled, as fla's layer is not
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-MODULES = ("hymo", "hymo_keep", "hymo_unfused", "fla", "gemms")
+MODULES = ("hymo", "hymo_keep", "hymo_local", "hymo_unfused", "fla", "gemms")
 
 
 def log(msg: str) -> None:
@@ -150,13 +152,13 @@ def measure(name: str, module: nn.Module, x: torch.Tensor, args) -> Result:
     return res
 
 
-def build_hymo(args, device, dtype, fused: bool = True, saves: str = "inputs"):
+def build_hymo(args, device, dtype, fused: bool = True, saves: str = "inputs", bwd_path: str = "table"):
     from hymo_recipes.model import HymoModelArgs
     from hymo_recipes.model.gdn import GatedDeltaNet
 
     margs = HymoModelArgs(dim=args.dim, gdn_n_heads=args.heads, gdn_head_dim=args.head_dim,
                           gdn_v_head_dim=args.head_dim, gdn_backend="torch_chunk" if args.dry else "triton",
-                          gdn_fused_mixer=fused, gdn_mixer_saves=saves)
+                          gdn_fused_mixer=fused, gdn_mixer_saves=saves, gdn_bwd_path=bwd_path)
     m = GatedDeltaNet(margs).to(device=device)
     m.init_weights(0.02, 0.02)
     m = m.to(dtype)
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure("hymo", build_hymo(args, device, dtype), x, args))
     if "hymo_keep" in only and not dry:
         results.append(measure("hymo_keep", build_hymo(args, device, dtype, saves="outputs"), x, args))
+    if "hymo_local" in only and not dry:
+        results.append(measure("hymo_local", build_hymo(args, device, dtype, bwd_path="local"), x, args))
     if "hymo_unfused" in only and not dry:
         results.append(measure("hymo_unfused", build_hymo(args, device, dtype, fused=False), x, args))
     if "fla" in only and dry:
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r.name} | {r.fwd_ms:.3f} | {r.fwdbwd_ms:.3f} | {r.saved_kib:.1f} | {r.alloc_kib:.1f} | {r.note} |")
-    for name in ("hymo", "hymo_keep"):
+    for name in ("hymo", "hymo_keep", "hymo_local"):
         h = by.get(name)
         if h is None:
             continue
