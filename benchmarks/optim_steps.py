@@ -28,18 +28,22 @@ router and experts unless they are on NorMuon).
    runs of the first seed.
 2. Both best recipes at every seed of ``--seeds``, and the shipped recipe (job_config's
    defaults) too.
-3. Per seed, the target = that seed's tuned-AdamW final loss, which AdamW reaches at its last
-   step by construction; a NorMuon run's steps to it = the first step whose trailing mean over a
-   window of a tenth of the steps (the final loss's window) is at or below it, and AdamW's own
-   steps the same way (at most ``--steps``). Ratio = the tuned NorMuon runs' mean steps over
-   tuned AdamW's. The issue's goal: ≤ 0.8.
+3. The tuned NorMuon recipe at every seed for fewer steps: ``--fractions`` of ``--steps``, each
+   run its own warmup-stable-decay schedule over its steps (the first batches of the same order).
+4. The target = tuned AdamW's held-out CE after ``--steps`` (mean over the seeds; the held-out
+   batch is the same for every run). Steps needed = the fewest run steps at which the tuned
+   NorMuon recipe's mean held-out CE is at or below it; ratio = those over ``--steps``. The
+   issue's goal: ≤ 0.8. (Not the first step of a full-length curve below AdamW's final loss:
+   under WSD most of a run's last drop comes with its decay, and the per-step training loss
+   follows the difficulty of the batch order, so a curve crosses a level at a point that says
+   little about the steps a run needs.)
 
 Every finished run is appended to ``<out>.json`` (a call cut by its time limit resumes; with
 ``--shard I/N`` N processes of one call take every N-th run of each phase each and append to the
-same file under a lock; run the shards again once all tuning runs are in), then
-``<out>.md`` (the tuning table, the per-seed table, the ratio and the wall time) and ``<out>.png``
-(the smoothed curves of the seeded runs). Exit 0 if the ratio is ≤ ``--goal``, 1 otherwise or
-when runs are missing.
+same file under a lock; a phase starts once the one before is stored, so run the shards again), then
+``<out>.md`` (the tuning table, the per-seed table, the shorter runs' table and the ratio) and ``<out>.png``
+(the smoothed training curves of the full-length seeded runs; held-out CE against run steps).
+Exit 0 if the ratio is ≤ ``--goal``, 1 otherwise or when runs are missing.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def recipe_of(r: dict) -> Recipe:
 
 
 def run_key(r: dict) -> tuple:
-    return (*recipe_of(r), r["seed"])
+    return (*recipe_of(r), r["run_steps"], r["seed"])
 
 
 def normuon_pair(spec: str) -> Recipe:
@@ -122,78 +126,86 @@ def trailing_mean(curve: list[float], window: int) -> list[float]:
     return out
 
 
-def steps_to(curve: list[float], target: float, window: int) -> int | None:
-    """The first step (1-based) whose trailing mean is at or below ``target``; None if none is."""
-    for i, v in enumerate(trailing_mean(curve, window)):
-        if i + 1 >= window and v <= target:
-            return i + 1
-    return None
-
-
 def best(results: list[dict], optimizer: str, seed: int) -> dict | None:
     """The stored run of ``optimizer`` (any of its recipes) at ``seed`` with the lowest final loss."""
     runs = [r for r in results if r["optimizer"] == optimizer and r["seed"] == seed and math.isfinite(r["final"])]
     return min(runs, key=lambda r: r["final"]) if runs else None
 
 
-def verdict(results: list[dict], seeds: list[int], window: int) -> dict | None:
-    """{"adamw", "normuon", "default": rows, "ratio"} from stored runs, or None if some are missing.
-    Per seed the target is that seed's tuned-AdamW final loss (which AdamW reaches at its last
-    step by construction); a NorMuon row's steps are the steps to it, per seed."""
-    tuned = {name: best(results, name, seeds[0]) for name in ("AdamW", "NorMuon")}
+def _row(recipe: Recipe, runs: list[dict]) -> dict:
+    return dict(recipe=recipe, runs=runs, final=statistics.fmean(r["final"] for r in runs),
+                heldout=statistics.fmean(r["heldout"] for r in runs),
+                seconds=statistics.fmean(r["seconds"] for r in runs))
+
+
+def verdict(results: list[dict], seeds: list[int], steps: int, lengths: list[int]) -> dict | None:
+    """{"adamw", "normuon", "default": rows of full-length runs, "lengths": {run steps: row of the
+    tuned NorMuon recipe}, "target", "needed", "ratio"} from the stored runs, or None if some are
+    missing. The target is tuned AdamW's held-out CE after ``steps`` (mean over the seeds);
+    "needed" the fewest run steps (of ``lengths`` and ``steps``) at which the tuned NorMuon
+    recipe's mean held-out CE is at or below it (None: not even at ``steps``)."""
+    full = [r for r in results if r["run_steps"] == steps]
+    tuned = {name: best(full, name, seeds[0]) for name in ("AdamW", "NorMuon")}
     if None in tuned.values():
         return None
     by_key = {run_key(r): r for r in results}
     rows = {}
     for label, recipe in (("adamw", recipe_of(tuned["AdamW"])), ("normuon", recipe_of(tuned["NorMuon"])),
                           ("default", SHIPPED)):
-        runs = [by_key.get((*recipe, s)) for s in seeds]
+        runs = [by_key.get((*recipe, steps, s)) for s in seeds]
         if None in runs:
             return None
-        rows[label] = dict(recipe=recipe, runs=runs)
-    # AdamW's final loss as its own curve gives it (the same arithmetic as the trailing means)
-    targets = [trailing_mean(r["curve"], window)[-1] for r in rows["adamw"]["runs"]]
-    for row in rows.values():
-        row["steps"] = [steps_to(r["curve"], t, window) for r, t in zip(row["runs"], targets)]
-        reached = [s for s in row["steps"] if s is not None]
-        row["mean_steps"] = statistics.fmean(reached) if len(reached) == len(row["steps"]) else None
-        row["final"] = statistics.fmean(r["final"] for r in row["runs"])
-        row["seconds"] = statistics.fmean(r["seconds"] for r in row["runs"])
-    a, n = rows["adamw"]["mean_steps"], rows["normuon"]["mean_steps"]
-    return dict(targets=targets, ratio=None if n is None else n / a, **rows)
+        rows[label] = _row(recipe, runs)
+    by_length = {}
+    for n in sorted(set(lengths) | {steps}):
+        runs = [by_key.get((*rows["normuon"]["recipe"], n, s)) for s in seeds]
+        if None in runs:
+            return None
+        by_length[n] = _row(rows["normuon"]["recipe"], runs)
+    target = rows["adamw"]["heldout"]
+    needed = next((n for n, row in by_length.items() if row["heldout"] <= target), None)
+    return dict(rows, lengths=by_length, target=target, needed=needed,
+                ratio=None if needed is None else needed / steps)
 
 
-def markdown(results: list[dict], seeds: list[int], window: int, meta: str) -> str:
-    lines = ["# NorMuon + CautiousAdamW against tuned AdamW: steps to AdamW's final loss", "", meta, "",
-             f"## Tuning (seed {seeds[0]}): final main-head CE (mean of the last {window} steps), held-out CE", "",
-             "| recipe | final | held-out | seconds |", "|---|---|---|---|"]
-    for r in sorted((r for r in results if r["seed"] == seeds[0]),
+def markdown(results: list[dict], seeds: list[int], steps: int, lengths: list[int], meta: str) -> str:
+    window = max(1, steps // 10)
+    lines = ["# NorMuon + CautiousAdamW against tuned AdamW: steps to AdamW's loss", "", meta, "",
+             f"## Tuning (seed {seeds[0]}, {steps} steps): final main-head CE (mean of the last {window} steps), "
+             "held-out CE", "", "| recipe | final | held-out | seconds |", "|---|---|---|---|"]
+    for r in sorted((r for r in results if r["seed"] == seeds[0] and r["run_steps"] == steps),
                     key=lambda r: (r["optimizer"], r.get("moe_on_normuon", False), r.get("normuon_lr") or 0, r["lr"])):
         lines.append(f"| {recipe_of(r).label()} | {r['final']:.4f} | {r['heldout']:.4f} | {r['seconds']:.0f} |")
-    v = verdict(results, seeds, window)
+    v = verdict(results, seeds, steps, lengths)
     if v is None:
-        lines += ["", "Seeded runs missing: no verdict yet."]
+        lines += ["", "Seeded or shorter runs missing: no verdict yet."]
         return "\n".join(lines)
-    targets = ", ".join(f"{t:.4f}" for t in v["targets"])
-    lines += ["", f"## Seeds {seeds}: per seed the target is tuned AdamW's final loss ({targets})", "",
-              "| run | recipe | final (mean) | steps to the target, per seed | mean steps | seconds per run |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", f"## Seeds {seeds}, {steps} steps (means over the seeds)", "",
+              "| run | recipe | final | held-out, per seed | held-out | seconds per run |", "|---|---|---|---|---|---|"]
     for label in ("adamw", "normuon", "default"):
         row = v[label]
-        steps = ", ".join("not reached" if s is None else str(s) for s in row["steps"])
-        mean = "–" if row["mean_steps"] is None else f"{row['mean_steps']:.0f}"
         name = {"adamw": "AdamW (tuned)", "normuon": "NorMuon + CautiousAdamW (tuned)",
                 "default": "NorMuon + CautiousAdamW (shipped)"}[label]
-        lines.append(f"| {name} | {row['recipe'].label()} | {row['final']:.4f} | {steps} | {mean} | "
+        per_seed = ", ".join(f"{r['heldout']:.4f}" for r in row["runs"])
+        lines.append(f"| {name} | {row['recipe'].label()} | {row['final']:.4f} | {per_seed} | {row['heldout']:.4f} | "
                      f"{row['seconds']:.0f} |")
-    ratio = "–" if v["ratio"] is None else f"{v['ratio']:.2f}"
-    lines += ["", f"Steps to tuned AdamW's final loss, NorMuon + CautiousAdamW (tuned) over AdamW (tuned): "
-              f"**{ratio}** (goal ≤ 0.8)."]
+    lines += ["", f"## The tuned NorMuon recipe trained for fewer steps (each run its own schedule over its "
+              f"steps): held-out CE against tuned AdamW's after {steps} steps ({v['target']:.4f})", "",
+              "| run steps | fraction | held-out, per seed | held-out | at or below AdamW's |", "|---|---|---|---|---|"]
+    for n, row in v["lengths"].items():
+        per_seed = ", ".join(f"{r['heldout']:.4f}" for r in row["runs"])
+        lines.append(f"| {n} | {n / steps:.2f} | {per_seed} | {row['heldout']:.4f} | "
+                     f"{'yes' if row['heldout'] <= v['target'] else 'no'} |")
+    ratio = "not reached" if v["ratio"] is None else f"{v['ratio']:.2f}"
+    lines += ["", f"Steps NorMuon + CautiousAdamW (tuned) needs to reach tuned AdamW's held-out CE, over AdamW's "
+              f"steps: **{ratio}** (the shortest run measured that gets there; goal ≤ 0.8)."]
     return "\n".join(lines)
 
 
-def plot(results: list[dict], seeds: list[int], window: int, path: Path) -> bool:
-    v = verdict(results, seeds, window)
+def plot(results: list[dict], seeds: list[int], steps: int, lengths: list[int], path: Path) -> bool:
+    """Left: the full-length seeded runs' training CE (trailing mean of a tenth of the steps);
+    right: the tuned NorMuon recipe's held-out CE against its run steps, beside tuned AdamW's."""
+    v = verdict(results, seeds, steps, lengths)
     try:
         import matplotlib
     except ImportError:
@@ -203,7 +215,8 @@ def plot(results: list[dict], seeds: list[int], window: int, path: Path) -> bool
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    window = max(1, steps // 10)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, color in (("adamw", "tab:blue"), ("normuon", "tab:red"), ("default", "tab:orange")):
         row = v[label]
         if label == "default" and row["recipe"] == v["normuon"]["recipe"]:
@@ -212,12 +225,20 @@ def plot(results: list[dict], seeds: list[int], window: int, path: Path) -> bool
             name = row["recipe"].label()
             ax.plot(range(1, len(r["curve"]) + 1), trailing_mean(r["curve"], window), color=color, alpha=0.8,
                     lw=1, label=name + (" (shipped)" if label == "default" else "") if i == 0 else None)
-    target = statistics.fmean(v["targets"])
-    ax.axhline(target, color="gray", ls="--", lw=1, label="AdamW's final loss (mean over seeds)")
     ax.set_xlabel("step")
-    ax.set_ylabel(f"main-head CE (trailing mean of {window})")
-    ax.set_ylim(target - 0.5, target + 2.5)
-    ax.legend()
+    ax.set_ylabel(f"training main-head CE (trailing mean of {window})")
+    ax.set_ylim(v["normuon"]["final"] - 0.5, v["normuon"]["final"] + 2.5)
+    ax.legend(fontsize=8)
+    ns = list(v["lengths"])
+    for i, s in enumerate(seeds):
+        bx.plot(ns, [v["lengths"][n]["runs"][i]["heldout"] for n in ns], "o", color="tab:red", alpha=0.4,
+                label="per seed" if i == 0 else None)
+    bx.plot(ns, [v["lengths"][n]["heldout"] for n in ns], "-o", color="tab:red", label=v["normuon"]["recipe"].label())
+    bx.axhline(v["target"], color="tab:blue", ls="--", lw=1, label=f"AdamW (tuned) after {steps} steps")
+    bx.axvline(0.8 * steps, color="gray", ls=":", lw=1, label="0.8 x the steps")
+    bx.set_xlabel("run steps (each run its own schedule)")
+    bx.set_ylabel("held-out main-head CE (mean over seeds)")
+    bx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -240,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--cautious-lrs", type=float, nargs="+", default=[],
                    help="CautiousAdamW over every parameter at each lr (tuning seed only)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (the first tunes)")
+    p.add_argument("--fractions", type=float, nargs="+", default=None,
+                   help="shorter runs of the tuned NorMuon recipe, as fractions of --steps (default 0.6 0.7 0.8)")
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--goal", type=float, default=0.8)
     p.add_argument("--out", default="benchmarks/optim_steps", help="output prefix (.json, .md, .png)")
@@ -255,7 +278,10 @@ def main(argv=None) -> int:
     # up to x 16: 200-step muP sweeps at this batch found x 8 best (benchmarks/mup_lr_sweep.md)
     mults = a.normuon_mults or ([1.0, 2.0] if dry else [0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
     seeds = a.seeds or ([0, 1] if dry else [0, 1, 2])
-    window = max(1, steps // 10)  # run_one's final-loss window
+    fractions = a.fractions or ([0.5] if dry else [0.6, 0.7, 0.8])
+    if not all(0 < f < 1 for f in fractions):
+        p.error(f"--fractions {fractions}: each between 0 and 1")
+    lengths = sorted({max(1, round(f * steps)) for f in fractions})
     device = run_device(p, dry, a.report_only)
 
     from hymo_recipes.titan.datasets import load_tokenizer
@@ -284,31 +310,43 @@ def main(argv=None) -> int:
 
         shard, shards = a.shard
 
-        def run_all(keys: list[tuple[Recipe, int]]) -> list[dict]:
-            """This shard's share of ``keys`` (every N-th from the I-th: fixed, so that a resumed call
-            picks up where it stopped), those not stored yet; then every stored run."""
+        def run_all(keys: list[tuple[Recipe, int, int]]) -> list[dict]:
+            """This shard's share of ``keys`` (recipe, run steps, seed; every N-th from the I-th:
+            fixed, so that a resumed call picks up where it stopped), those not stored yet; then
+            every stored run."""
             have = {run_key(r) for r in results}
-            for recipe, seed in [k for k in keys[shard::shards] if (*k[0], k[1]) not in have]:
-                r = run_one(args, batches, heldout, recipe.config(dry), steps=steps, batch=batch, max_norm=a.max_norm,
+            for recipe, n, seed in [k for k in keys[shard::shards] if (*k[0], *k[1:]) not in have]:
+                r = run_one(args, batches, heldout, recipe.config(dry), steps=n, batch=batch, max_norm=a.max_norm,
                             seed=seed, device=device, curve=True)
-                append_run(store, dict(recipe._asdict(), seed=seed, setting=setting, machine=machine, **r))
-                print(f"optim_steps: {recipe.label()} seed {seed}: final {r['final']:.4f}, held-out "
+                append_run(store, dict(recipe._asdict(), run_steps=n, seed=seed, setting=setting, machine=machine,
+                                       **r))
+                print(f"optim_steps: {recipe.label()}, {n} steps, seed {seed}: final {r['final']:.4f}, held-out "
                       f"{r['heldout']:.4f} ({r['seconds']:.0f} s)", flush=True)
             return [r for r in stored_runs(store) if r["setting"] == setting]  # the other shards' runs too
+
+        def stored(keys) -> bool:
+            return {(*k[0], *k[1:]) for k in keys} <= {run_key(r) for r in results}
 
         recipes = ([Recipe("AdamW", _lr(lr)) for lr in adamw_lrs]
                    + [Recipe("NorMuon", _lr(SHIPPED.lr * m), _lr(SHIPPED.normuon_lr * m), SHIPPED.moe_on_normuon)
                       for m in mults]
                    + a.normuon_lrs + [Recipe("CautiousAdamW", _lr(lr)) for lr in a.cautious_lrs])
         recipes = list(dict.fromkeys(recipes + [SHIPPED]))  # the shipped recipe is always a row
-        tuning = [(recipe, seeds[0]) for recipe in recipes]
+        tuning = [(recipe, steps, seeds[0]) for recipe in recipes]
         results = run_all(tuning)
-        if {(*k[0], k[1]) for k in tuning} <= {run_key(r) for r in results}:
-            tuned = [recipe_of(best(results, name, seeds[0])) for name in ("AdamW", "NorMuon")] + [SHIPPED]
-            results = run_all([(recipe, seed) for seed in seeds[1:] for recipe in dict.fromkeys(tuned)])
-        else:
-            print("optim_steps: the tuning runs of other shards are not all stored yet: the seeded runs wait for the "
-                  "next call", flush=True)
+        waiting = "the tuning runs"
+        if stored(tuning):
+            full = [r for r in results if r["run_steps"] == steps]
+            tuned = [recipe_of(best(full, name, seeds[0])) for name in ("AdamW", "NorMuon")] + [SHIPPED]
+            seeded = [(recipe, steps, seed) for seed in seeds[1:] for recipe in dict.fromkeys(tuned)]
+            results = run_all(seeded)
+            waiting = "the seeded runs"
+            if stored(seeded):
+                results = run_all([(tuned[1], n, seed) for n in lengths for seed in seeds])
+                waiting = None
+        if waiting:
+            print(f"optim_steps: {waiting} of other shards are not all stored yet: the next phase waits for the next "
+                  "call", flush=True)
 
     machines = "; ".join(sorted({r.get("machine") or "GPU" for r in results})) or "no runs"
     meta = (f"Flavor {a.flavor} ({args.n_layers} layers, dim {args.dim}, vocab {vocab}), {steps} steps of {batch} x "
@@ -316,12 +354,12 @@ def main(argv=None) -> int:
             f"{SHIPPED.label()}; {machines}; this call "
             f"{time.perf_counter() - t0:.0f} s. Command: python -m benchmarks.optim_steps "
             + " ".join(argv if argv is not None else sys.argv[1:]))
-    text = markdown(results, seeds, window, meta)
+    text = markdown(results, seeds, steps, lengths, meta)
     out.with_suffix(".md").write_text(text + "\n")
-    plotted = plot(results, seeds, window, out.with_suffix(".png"))
+    plotted = plot(results, seeds, steps, lengths, out.with_suffix(".png"))
     print(text)
     print(f"wrote {store}, {out.with_suffix('.md')}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
-    v = verdict(results, seeds, window)
+    v = verdict(results, seeds, steps, lengths)
     return 0 if v is not None and v["ratio"] is not None and v["ratio"] <= a.goal else 1
 
 
