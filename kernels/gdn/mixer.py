@@ -25,7 +25,7 @@ from . import chunk as _chunk
 from .problem import _common, _overridden, saved_states_dtype, saved_t_dtype
 
 from .gated_norm import gated_norm_bwd, gated_norm_fwd
-from .short_conv import conv_silu_bwd, conv_silu_fwd
+from .short_conv import conv_silu_qkv_bwd, conv_silu_qkv_fwd
 
 
 def _heads(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -38,6 +38,13 @@ def _heads(x: torch.Tensor, d: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def _convs(q_in, k_in, v_in, wq, wk, wv, positions, head_k: int, head_v: int):
+    """The kernel's q, k, v [B, T, H, ·]: the three short convs + SiLU in one launch."""
+    q, k, v = conv_silu_qkv_fwd(q_in, k_in, v_in, wq, wk, wv, positions)
+    return _heads(q, head_k), _heads(k, head_k), _heads(v, head_v)
+
+
+
 @torch.library.custom_op("hymo_kernels::conv_gdn_fwd", mutates_args=())
 def conv_gdn_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                  wv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -47,9 +54,7 @@ def conv_gdn_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (o [B, T, H, V], the kernel's saved states, its saved T, the conv outputs q, k, v);
     ``keep``: the backward reads the conv outputs instead of recomputing them."""
-    q = _heads(conv_silu_fwd(q_in, wq, positions), head_k)
-    k = _heads(conv_silu_fwd(k_in, wk, positions), head_k)
-    v = _heads(conv_silu_fwd(v_in, wv, positions), head_v)
+    q, k, v = _convs(q_in, k_in, v_in, wq, wk, wv, positions, head_k, head_v)
     o, _, states, tinv = _chunk._forward(q, k, v, g, beta, None, cu_seqlens, scale, True, dot_bf16, t_bf16,
                                          bwd_path)
     return o, states, tinv, q, k, v
@@ -79,17 +84,13 @@ def conv_gdn_bwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq:
     """Returns (dq_in, dk_in, dv_in, dwq, dwk, dwv, dg, dbeta); q, k, v: the forward's conv
     outputs if it kept them, else recomputed."""
     if q is None:
-        q = _heads(conv_silu_fwd(q_in, wq, positions), head_k)
-        k = _heads(conv_silu_fwd(k_in, wk, positions), head_k)
-        v = _heads(conv_silu_fwd(v_in, wv, positions), head_v)
+        q, k, v = _convs(q_in, k_in, v_in, wq, wk, wv, positions, head_k, head_v)
     dq, dk, dv, dg, db, _ = _chunk._backward(q, k, v, g, beta, None, cu_seqlens, states, tinv, do.contiguous(), None,
                                              scale, True, dot_bf16, t_bf16, bwd_path)
     del q, k, v
     B, T = q_in.shape[:2]
-    dq_in, dwq = conv_silu_bwd(q_in, wq, dq.view(B, T, -1), positions)
-    dk_in, dwk = conv_silu_bwd(k_in, wk, dk.view(B, T, -1), positions)
-    dv_in, dwv = conv_silu_bwd(v_in, wv, dv.view(B, T, -1), positions)
-    return dq_in, dk_in, dv_in, dwq, dwk, dwv, dg, db
+    return (*conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq.view(B, T, -1), dk.view(B, T, -1), dv.view(B, T, -1),
+                               positions), dg, db)
 
 
 @conv_gdn_bwd.register_fake

@@ -122,11 +122,10 @@ def _taps(w_ptr, c, cm, W: tl.constexpr):
 
 
 @triton.jit
-def _conv_fwd_rows_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
-                          W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
-    """y of the L rows from s·L on and BC channels, one row at a time (W ≤ 4): the W - 1 rows
-    before the current one ride along in registers, so each x row is read once."""
-    b, s, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt, b, s, ic,
+                   W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+    """y of the L rows from s·L on and channel block ic of row block b, one row at a time (W ≤ 4):
+    the W - 1 rows before the current one ride along in registers, so each x row is read once."""
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels
@@ -151,15 +150,40 @@ def _conv_fwd_rows_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_
 
 
 @triton.jit
-def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
-                          stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
-                          HAS_POS: tl.constexpr):
+def _conv_fwd_rows_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
+                          W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+    _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
+                   tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS)
+
+
+@triton.jit
+def _conv3_fwd_rows_kernel(x0, w0, y0, x1, w1, y1, x2, w2, y2, pos_ptr, T, C0, C1, C2, NB0, NB1,
+                           sxb0, sxt0, syb0, syt0, sxb1, sxt1, syb1, syt1, sxb2, sxt2, syb2, syt2,
+                           W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+    """_conv_fwd_rows_kernel over three tensors in one launch: channel blocks [0, NB0) are the
+    first tensor's, [NB0, NB0 + NB1) the second's, the rest the third's."""
+    ic = tl.program_id(2)
+    if ic < NB0:
+        _conv_fwd_rows(x0, w0, y0, pos_ptr, T, C0, sxb0, sxt0, syb0, syt0, tl.program_id(0), tl.program_id(1), ic,
+                       W, L, BC, HAS_POS)
+    elif ic < NB0 + NB1:
+        _conv_fwd_rows(x1, w1, y1, pos_ptr, T, C1, sxb1, sxt1, syb1, syt1, tl.program_id(0), tl.program_id(1),
+                       ic - NB0, W, L, BC, HAS_POS)
+    else:
+        _conv_fwd_rows(x2, w2, y2, pos_ptr, T, C2, sxb2, sxt2, syb2, syt2, tl.program_id(0), tl.program_id(1),
+                       ic - NB0 - NB1, W, L, BC, HAS_POS)
+
+
+@triton.jit
+def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
+                   stride_dyt, stride_dxb, stride_dxt, stride_dw, b, s, ic, W: tl.constexpr, L: tl.constexpr,
+                   BC: tl.constexpr, HAS_POS: tl.constexpr):
     """dx and the dw partial of the L rows from s·L on and BC channels (W ≤ 4), walking the rows
     backwards from the last one that reaches into them (s·L + L + 2): at row u, dz[u] = dy[u] ⊙
     silu'(z[u]) and dx[u] = Σ_r w[W-1-r] dz[u + r], the three later dz rows and the three x rows
     z[u] needs besides x[u-3] kept in registers from the rows before, so each x and dy row is read
-    once (plus the three rows of halo) and dz never goes to memory."""
-    b, s, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    once (plus the three rows of halo) and dz never goes to memory. The dw partial goes to row
+    (b, s) of dw_ptr [rows, W, stride_dw]."""
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels
@@ -214,14 +238,43 @@ def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, s
         if HAS_POS:
             p3, p2, p1 = p2, p1, p
         xa, xb, xc = xb, xc, xd
-    dw_base = dw_ptr + ((b * tl.num_programs(1) + s) * W) * C + c
-    tl.store(dw_base + (W - 1) * C, dw0, mask=cm)
+    dw_base = dw_ptr + ((b * tl.num_programs(1) + s) * W) * stride_dw + c
+    tl.store(dw_base + (W - 1) * stride_dw, dw0, mask=cm)
     if W >= 2:
-        tl.store(dw_base + (W - 2) * C, dw1, mask=cm)
+        tl.store(dw_base + (W - 2) * stride_dw, dw1, mask=cm)
     if W >= 3:
-        tl.store(dw_base + (W - 3) * C, dw2, mask=cm)
+        tl.store(dw_base + (W - 3) * stride_dw, dw2, mask=cm)
     if W >= 4:
-        tl.store(dw_base + (W - 4) * C, dw3, mask=cm)
+        tl.store(dw_base + (W - 4) * stride_dw, dw3, mask=cm)
+
+
+@triton.jit
+def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
+                          stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
+                          HAS_POS: tl.constexpr):
+    _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb, stride_dyt,
+                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS)
+
+
+@triton.jit
+def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2, dw_ptr, pos_ptr, T, C0, C1, C2,
+                           NB0, NB1, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1,
+                           sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
+                           HAS_POS: tl.constexpr):
+    """_conv_bwd_rows_kernel over three tensors in one launch (channel blocks as in
+    _conv3_fwd_rows_kernel); the dw partials of all three side by side in one [rows, W, C0 + C1 + C2]."""
+    ic = tl.program_id(2)
+    b, s = tl.program_id(0), tl.program_id(1)
+    CT = C0 + C1 + C2
+    if ic < NB0:
+        _conv_bwd_rows(x0, w0, dy0, dx0, dw_ptr, pos_ptr, T, C0, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, CT, b, s, ic,
+                       W, L, BC, HAS_POS)
+    elif ic < NB0 + NB1:
+        _conv_bwd_rows(x1, w1, dy1, dx1, dw_ptr + C0, pos_ptr, T, C1, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1, CT, b, s,
+                       ic - NB0, W, L, BC, HAS_POS)
+    else:
+        _conv_bwd_rows(x2, w2, dy2, dx2, dw_ptr + C0 + C1, pos_ptr, T, C2, sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, CT,
+                       b, s, ic - NB0 - NB1, W, L, BC, HAS_POS)
 
 
 # (rows, channels, warps) per program of the forward and of the backward (whose rows include the
@@ -289,3 +342,57 @@ def conv_silu_bwd(x, w, dy, positions=None):
         x, w, dy, dx, dw_part, pos, T, C, STEP, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
         dx.stride(1), W=W, BT=BT, BC=BC, HAS_POS=positions is not None, num_warps=warps)
     return dx, dw_part.sum(0).t().contiguous().to(w.dtype)  # [C, W]
+
+
+def conv_silu_qkv_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq: torch.Tensor,
+                      wk: torch.Tensor, wv: torch.Tensor, positions: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """conv_silu_fwd of the three projections with their own weights, in one launch (W ≤ 4; for
+    a wider conv, one launch each). The same values as three conv_silu_fwd calls."""
+    xs, ws = (q_in, k_in, v_in), (wq, wk, wv)
+    for x, w in zip(xs, ws):
+        _check(x, w, positions)
+    W = wq.shape[1]
+    if W > ROWS_MAX_W or any(x.shape[:2] != q_in.shape[:2] for x in xs) or any(w.shape[1] != W for w in ws):
+        return tuple(conv_silu_fwd(x, w, positions) for x, w in zip(xs, ws))
+    B, T, _ = q_in.shape
+    ys = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
+    L, BC, warps = FWD_ROWS
+    nb = [triton.cdiv(x.shape[2], BC) for x in xs]
+    strides = [v for x, y in zip(xs, ys) for v in (x.stride(0), x.stride(1), y.stride(0), y.stride(1))]
+    _conv3_fwd_rows_kernel[(B, triton.cdiv(T, L), sum(nb))](
+        q_in, wq, ys[0], k_in, wk, ys[1], v_in, wv, ys[2], positions if positions is not None else q_in, T,
+        *(x.shape[2] for x in xs), nb[0], nb[1], *strides, W=W, L=L, BC=BC, HAS_POS=positions is not None,
+        num_warps=warps)
+    return ys
+
+
+def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None):
+    """conv_silu_bwd of the three projections in one launch and one dw sum (W ≤ 4; for a wider
+    conv, one call each): (dq_in, dk_in, dv_in, dwq, dwk, dwv), the same values as three
+    conv_silu_bwd calls."""
+    xs, ws, dys = (q_in, k_in, v_in), (wq, wk, wv), (dq, dk, dv)
+    for x, w in zip(xs, ws):
+        _check(x, w, positions)
+    W = wq.shape[1]
+    if W > ROWS_MAX_W or any(x.shape[:2] != q_in.shape[:2] for x in xs) or any(w.shape[1] != W for w in ws):
+        grads = [conv_silu_bwd(x, w, dy, positions) for x, w, dy in zip(xs, ws, dys)]
+        return (*(g[0] for g in grads), *(g[1] for g in grads))
+    B, T, _ = q_in.shape
+    dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
+    dxs = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
+    L, BC, warps = BWD_ROWS
+    NT = triton.cdiv(T, L)
+    Cs = [x.shape[2] for x in xs]
+    nb = [triton.cdiv(c, BC) for c in Cs]
+    dw_part = torch.empty(B * NT, W, sum(Cs), dtype=torch.float32, device=q_in.device)
+    strides = [v for x, dy, dx in zip(xs, dys, dxs)
+               for v in (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1))]
+    _conv3_bwd_rows_kernel[(B, NT, sum(nb))](
+        q_in, wq, dys[0], dxs[0], k_in, wk, dys[1], dxs[1], v_in, wv, dys[2], dxs[2], dw_part,
+        positions if positions is not None else q_in, T, *Cs, nb[0], nb[1], *strides, W=W, L=L, BC=BC,
+        HAS_POS=positions is not None, num_warps=warps)
+    # one sum over the partials, then each weight's [C, W] its own contiguous tensor (the op's
+    # outputs may not alias one another)
+    dw = dw_part.sum(0).split(Cs, dim=1)
+    return (*dxs, *(d.t().contiguous().to(w.dtype) for d, w in zip(dw, ws)))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hymo_kernels.gdn.mixer import conv_gated_delta_rule, gated_norm_linear
 from hymo_kernels.gdn.mixer_torch import gated_rms_norm, l2_normalize, short_causal_conv
 from hymo_kernels.gdn.naive import naive_recurrent_gated_delta_rule
-from hymo_kernels.gdn.short_conv import conv_silu_bwd, conv_silu_fwd
+from hymo_kernels.gdn.short_conv import conv_silu_bwd, conv_silu_fwd, conv_silu_qkv_bwd, conv_silu_qkv_fwd
 from hymo_kernels.gdn.gated_norm import gated_norm_bwd, gated_norm_fwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,6 +50,32 @@ def test_short_conv(B, T, C, W, lengths, nan_poison):
     y = conv_silu_fwd(x, w, pos)
     dx, dw = conv_silu_bwd(x, w, dy.float(), pos)
     assert rel(y, ref) < 1e-6 and rel(dx, xr.grad) < 1e-6 and rel(dw, wr.grad) < 1e-6
+
+
+@pytest.mark.parametrize("B, T, Cs, W, lengths",
+                         [(2, 40, (40, 40, 24), 4, None), (1, 70, (24, 24, 40), 4, [17, 1, 52]),
+                          (1, 30, (24, 24, 24), 3, None), (2, 20, (24, 24, 24), 5, None)],
+                         ids=["B2-T40", "packed-T70", "W3", "W5-three-launches"])
+def test_short_conv_qkv_in_one_launch(B, T, Cs, W, lengths, nan_poison):
+    """The q, k, v convs in one launch (channel blocks of three tensors of different widths, the
+    dw partials side by side) give exactly what three single-tensor calls give, and match the
+    float64 reference; W = 5 takes one launch per tensor."""
+    torch.manual_seed(2)
+    xs = [torch.randn(B, T, c + 8, device=DEV)[..., 4:4 + c] for c in Cs]  # strided views
+    ws = [torch.randn(c, W, device=DEV) for c in Cs]
+    dys = [torch.randn(B, T, c, device=DEV) for c in Cs]
+    pos = positions_of(lengths).to(DEV) if lengths else None
+    ys = conv_silu_qkv_fwd(*xs, *ws, pos)
+    grads = conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
+    for i, (x, w, dy) in enumerate(zip(xs, ws, dys)):
+        assert torch.equal(ys[i], conv_silu_fwd(x, w, pos))
+        dx, dw = conv_silu_bwd(x, w, dy, pos)
+        assert torch.equal(grads[i], dx) and torch.allclose(grads[3 + i], dw, rtol=1e-6, atol=1e-6)
+        assert grads[3 + i].shape == w.shape and grads[3 + i].is_contiguous()
+        xr, wr = x.double().detach().requires_grad_(), w.double().requires_grad_()
+        ref = F.silu(short_causal_conv(xr, wr[:, None, :], pos))
+        ref.backward(dy.double())
+        assert rel(ys[i], ref) < 1e-6 and rel(grads[i], xr.grad) < 1e-6 and rel(grads[3 + i], wr.grad) < 1e-6
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 3, 32), (1, 300, 2, 16)], ids=["B2-T37-H3-V32", "T300-H2-V16"])
