@@ -253,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--normuon-lr", type=float, default=0.02)
     p.add_argument("--ortho-dtype", default="float32", choices=["bfloat16", "float32", "float64"],
                    help="NorMuon's orthogonalisation dtype (training default bfloat16: slow on CPUs)")
+    p.add_argument("--moe-on-normuon", action=argparse.BooleanOptionalAction, default=False,
+                   help="the MoE router and experts on NorMuon (the shipped split); default off: the seed's split, "
+                        "which the committed tables ran with")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="benchmarks/mup_coord_check", help="output prefix (.md, .png)")
     a = p.parse_args(argv)
@@ -267,7 +270,8 @@ def main(argv=None) -> int:
     if a.vocab is not None:
         overrides["vocab_size"] = a.vocab
     base = dataclasses.replace(base, **overrides)
-    cfg = optimizer_config(a.optimizer, lr=a.lr, normuon_lr=a.normuon_lr, normuon_ortho_dtype=a.ortho_dtype)
+    cfg = optimizer_config(a.optimizer, lr=a.lr, normuon_lr=a.normuon_lr, normuon_ortho_dtype=a.ortho_dtype,
+                           moe_on_normuon=a.moe_on_normuon)
     base_width = a.base_width or min(a.widths)
     seeds = tuple(range(a.seeds))
     t0 = time.perf_counter()

@@ -261,6 +261,9 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="NorMuon", choices=["NorMuon", "CautiousAdamW", "AdamW"])
     p.add_argument("--lr", type=float, default=3e-4, help="(Cautious)AdamW lr before the multiplier")
     p.add_argument("--normuon-lr", type=float, default=0.02, help="NorMuon lr before the multiplier")
+    p.add_argument("--moe-on-normuon", action=argparse.BooleanOptionalAction, default=False,
+                   help="the MoE router and experts on NorMuon (the shipped split); default off: the seed's split, "
+                        "which the stored results ran with")
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/mup_lr_sweep", help="output prefix (.json, .md, .png)")
@@ -289,7 +292,8 @@ def main(argv=None) -> int:
         overrides.update(n_layers=layers, mla_layers=tuple(range(3, layers, 4)), nope_layers=())
     base = dataclasses.replace(hymo_flavors[a.flavor], **overrides)
     cfg = lambda m: optimizer_config(a.optimizer, lr=a.lr * m, normuon_lr=a.normuon_lr * m,  # noqa: E731
-                                     normuon_ortho_dtype="float32" if dry else "bfloat16")
+                                     normuon_ortho_dtype="float32" if dry else "bfloat16",
+                                     moe_on_normuon=a.moe_on_normuon)
     if not a.report_only:
         batches = brown_windows("train", steps * batch, seq, tokenizer_dir, data_dir)
         heldout = brown_windows("validation", batch, seq, tokenizer_dir, data_dir)
@@ -298,7 +302,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     store = out.with_suffix(".json")
     results = stored_runs(store)
-    setting = dict(flavor=a.flavor, optimizer=a.optimizer, lr=a.lr, normuon_lr=a.normuon_lr, steps=steps,
+    setting = dict(flavor=a.flavor, optimizer=a.optimizer, lr=a.lr, normuon_lr=a.normuon_lr,
+                   moe_on_normuon=a.moe_on_normuon, steps=steps,
                    batch=batch, seq=seq, layers=base.n_layers, seed=a.seed, max_norm=a.max_norm,
                    base_width=min(widths), device=device.type)
     done = {(r["parametrization"], r["width"], r["lr_mult"]) for r in results if r["setting"] == setting}

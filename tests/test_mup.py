@@ -54,11 +54,12 @@ def test_every_parameter_of_every_flavor_matches_exactly_one_row_of_the_role_tab
     roles = mup.classify_params(model.named_parameters())
     assert roles["tok_embeddings.weight"] == "input"
     assert roles["norm.weight"] == "input"
-    # every NorMuon matrix of the default partition is a hidden weight
+    # every NorMuon matrix of the default partition is a hidden weight but the MoE routers (readouts)
     groups = build_param_groups(model.named_parameters(), hymo_param_table())
     ids = {id(p): n for n, p in model.named_parameters()}
     for g in groups["normuon"]:
-        assert {roles[ids[id(p)]] for p in g["params"]} == {"hidden"}
+        want = {"output"} if g["group"] == "router" else {"hidden"}
+        assert {roles[ids[id(p)]] for p in g["params"]} == want, g["group"]
     for i in args.mla_layers:
         assert roles[f"layers.{i}.moe.router.gate.weight"] == "output"
         assert roles[f"layers.{i}.moe.experts.w1"] == "hidden"
@@ -172,7 +173,7 @@ def test_the_optimizer_builder_applies_the_lr_multipliers():
                     out[names[id(p)]] = (opt_name, g["lr"])
         return out
 
-    got = lrs(optimizer_config("NorMuon", lr=1e-3, normuon_lr=0.02))
+    got = lrs(optimizer_config("NorMuon", lr=1e-3, normuon_lr=0.02, moe_on_normuon=False))
     assert got["layers.0.attn.q_proj.weight"] == ("normuon", 0.02)
     assert got["mtp_heads.1.w_in.weight"] == ("normuon", 0.02)
     assert got["tok_embeddings.weight"] == ("cautious_adamw", 1e-3)

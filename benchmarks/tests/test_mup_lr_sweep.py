@@ -53,7 +53,7 @@ def test_dry_run_writes_every_run_once_and_resumes(tmp_path, capsys):
 
 def test_report_only_needs_no_gpu_for_stored_gpu_runs(tmp_path, capsys):
     """The default (GPU) settings' runs, stored by a GPU call, reported on this CPU machine."""
-    setting = dict(flavor="small", optimizer="NorMuon", lr=3e-4, normuon_lr=0.02, steps=200, batch=8, seq=512,
+    setting = dict(flavor="small", optimizer="NorMuon", lr=3e-4, normuon_lr=0.02, moe_on_normuon=False, steps=200, batch=8, seq=512,
                    layers=16, seed=0, max_norm=1.0, base_width=128, device="cuda")
     runs = [dict(parametrization=p, width=w, lr_mult=m, setting=setting, machine="NVIDIA H200, torch 2.11.0+cu130",
                  final=6.0 + abs(m - (1.0 if p == "muP" else w / 256)) + w / 1e4, heldout=6.5, seconds=30.0)

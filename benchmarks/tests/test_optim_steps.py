@@ -53,7 +53,7 @@ def test_dry_run_tunes_then_seeds_then_shortens_and_resumes(tmp_path, capsys):
     runs = json.loads(out.with_suffix(".json").read_text())
     keys = [optim_steps.run_key(r) for r in runs]
     shipped = optim_steps.SHIPPED
-    double = _normuon(2 * shipped.normuon_lr, 2 * shipped.lr)
+    double = _normuon(2 * shipped.normuon_lr, 2 * shipped.lr, shipped.moe_on_normuon)
     tune = {("AdamW", 1e-3, None, False, 12, 0), ("AdamW", 4e-3, None, False, 12, 0), (*shipped, 12, 0),
             (*double, 12, 0)}
     assert tune <= set(keys) and len(keys) == len(set(keys))

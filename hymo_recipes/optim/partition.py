@@ -6,12 +6,15 @@ the broad "every matrix of an attention block" rows. Every trainable parameter m
 rule; an unmatched one is an error that names it, and so is a parameter routed to NorMuon that
 is not a matrix (or a 3-D expert stack on an expert rule).
 
-Default split (DESIGN.md §3, seed 000):
-- NorMuon: the 2-D matrices of GDN and MLA blocks, of optional dense feed-forwards, of MTP.
+Default split:
+- NorMuon: the 2-D matrices of GDN and MLA blocks, of optional dense feed-forwards, of MTP; the
+  MoE router (no decay: a gate) and the routed and shared experts (routed expert stacks
+  [E, out, in] orthogonalised per expert).
 - CautiousAdamW: token embedding (tied head) with its own weight decay; norms, biases, A_log,
-  dt_bias and conv kernels without decay; the MoE router (no decay: a gate) and the experts.
-- ``moe_on_normuon=True`` moves the router and the routed and shared experts to NorMuon
-  (routed expert stacks [E, out, in] are orthogonalised per expert).
+  dt_bias and conv kernels without decay.
+- ``moe_on_normuon=False`` puts the router and the experts on CautiousAdamW: the split of
+  DESIGN.md §3 (seed 000), which needed more steps than tuned AdamW in
+  benchmarks/optim_steps.md, where this default needed 0.65x.
 
 FQNs are matched after dropping wrapper segments (``_orig_mod.`` from torch.compile,
 ``_checkpoint_wrapped_module.`` from activation checkpointing), so the table holds for the
@@ -82,7 +85,7 @@ def hymo_param_table(
     normuon_weight_decay: float = 0.1,
     adamw_weight_decay: float = 0.1,
     embed_weight_decay: float = 0.0,
-    moe_on_normuon: bool = False,
+    moe_on_normuon: bool = True,
 ) -> list[Rule]:
     """HyMo's table (parameter names: notes CONTRACT "Parameter names", hymo_recipes/model)."""
     moe_opt = NORMUON if moe_on_normuon else CAUTIOUS_ADAMW

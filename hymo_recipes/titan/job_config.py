@@ -122,8 +122,10 @@ class Optimizer:
     parameters in one group with weight_decay everywhere (``implementation`` applies). All three
     run in HyMo's container: same WSD schedule, NaN guard and MoE balancing."""
 
-    lr: float = 3e-4
-    """CautiousAdamW's (or AdamW's) learning rate."""
+    lr: float = 2.4e-3
+    """CautiousAdamW's (or AdamW's) learning rate. 2.4e-3 and ``moe_on_normuon`` on: the recipe
+    that reached tuned AdamW's held-out loss in 0.65x its steps at hymo_small's shape, where the
+    seed's 3e-4 with the MoE on CautiousAdamW never did (benchmarks/optim_steps.md)."""
 
     normuon_lr: float = 0.02
     normuon_momentum: float = 0.95
@@ -151,8 +153,9 @@ class Optimizer:
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""
-    moe_on_normuon: bool = False
-    """Move the MoE router, routed experts (per expert) and shared experts to NorMuon."""
+    moe_on_normuon: bool = True
+    """The MoE router, routed experts (orthogonalised per expert) and shared experts on NorMuon;
+    False puts them on CautiousAdamW (the seed's split)."""
 
     consecutive_nan_limit: int = 5
     """A step whose loss or gradient is NaN/Inf on any rank is skipped (nothing is updated);

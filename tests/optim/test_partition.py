@@ -35,8 +35,8 @@ def table(model, **kw):
             assign_parameters(model.named_parameters(), rules).items()}
 
 
-# name → (optimizer, weight decay) by default; layer 0 is GDN, layer 3 MLA + MoE
-EXPECTED_DEFAULT = {
+# name → (optimizer, weight decay) with moe_on_normuon=False (the seed's split); layer 0 is GDN, layer 3 MLA + MoE
+EXPECTED_SEED_SPLIT = {
     "tok_embeddings.weight": (CAUTIOUS_ADAMW, 0.01),
     "norm.weight": (CAUTIOUS_ADAMW, 0.0),
     "layers.0.attn_norm.weight": (CAUTIOUS_ADAMW, 0.0),
@@ -73,25 +73,26 @@ EXPECTED_DEFAULT = {
     "mtp_heads.1.w_in.weight": (NORMUON, 0.1),
     "mtp_heads.2.w_out.weight": (NORMUON, 0.1),
 }
-# with the switch every MoE matrix moves to NorMuon (the router keeps no decay)
+# by default (moe_on_normuon=True) every MoE matrix is on NorMuon (the router keeps no decay)
 MOE_SWITCHED = {
     name: ((NORMUON, 0.0) if "router" in name else (NORMUON, 0.1))
-    for name in EXPECTED_DEFAULT
+    for name in EXPECTED_SEED_SPLIT
     if ".moe." in name
 }
 assert len(MOE_SWITCHED) == 8
 
 
-def test_750m_default_assignments(model_750m):
-    got = table(model_750m)
-    for name, (opt, wd) in EXPECTED_DEFAULT.items():
+def test_750m_seed_split_assignments(model_750m):
+    got = table(model_750m, moe_on_normuon=False)
+    for name, (opt, wd) in EXPECTED_SEED_SPLIT.items():
         assert got[name][:2] == (opt, wd), name
     assert all(m == 1.0 for _, _, m in got.values())
 
 
-def test_750m_moe_switch(model_750m):
-    got = table(model_750m, moe_on_normuon=True)
-    for name, expected in {**EXPECTED_DEFAULT, **MOE_SWITCHED}.items():
+def test_750m_default_assignments_put_the_moe_on_normuon(model_750m):
+    got = table(model_750m)
+    assert got == table(model_750m, moe_on_normuon=True)
+    for name, expected in {**EXPECTED_SEED_SPLIT, **MOE_SWITCHED}.items():
         assert got[name][:2] == expected, name
 
 
@@ -103,9 +104,12 @@ def test_750m_every_parameter_in_exactly_one_group(model_750m):
         ids = [id(p) for gs in groups.values() for g in gs for p in g["params"]]
         assert len(ids) == len(set(ids)) == len(names)
         assert all(g["params"] for gs in groups.values() for g in gs)  # no empty groups
-    # counts by pattern class: 24 GDN layers × 7 projections + 8 MLA × 5 + 2 MTP × 2
-    n_normuon = sum(1 for opt, _, _ in table(model_750m).values() if opt == NORMUON)
+    # counts by pattern class: 24 GDN layers × 7 projections + 8 MLA × 5 + 2 MTP × 2, and by
+    # default the 8 MoE layers' router, 3 expert stacks and 3 shared-expert matrices
+    n_normuon = sum(1 for opt, _, _ in table(model_750m, moe_on_normuon=False).values() if opt == NORMUON)
     assert n_normuon == 24 * 7 + 8 * 5 + 2 * 2
+    n_normuon = sum(1 for opt, _, _ in table(model_750m).values() if opt == NORMUON)
+    assert n_normuon == 24 * 7 + 8 * 5 + 2 * 2 + 8 * 7
 
 
 def test_normuon_params_are_matrices_with_output_rows(model_750m):

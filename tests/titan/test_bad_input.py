@@ -130,7 +130,9 @@ def test_bad_settings_fail_in_one_line(extra, message):
 
 
 def test_unknown_optimizer_in_a_toml(tmp_path):
-    toml = (REPO / "train_configs/debug_model.toml").read_text().replace("[optimizer]\n", '[optimizer]\nname = "Adam"\n')
+    toml = (REPO / "train_configs/debug_model.toml").read_text()
+    assert "\n[optimizer]\n" not in toml  # the debug config keeps HyMo's optimizer defaults
+    toml += '\n[optimizer]\nname = "Adam"\n'
     (tmp_path / "c.toml").write_text(toml)
     from hymo_recipes.titan.train import parse_config
 
@@ -275,10 +277,12 @@ def test_check_mode_passes_the_750m_config_on_a_cpu_in_little_memory(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "HyMo optimizers (hymo_recipes/optim/partition.py): normuon 169.62 M in 212 tensors; cautious_adamw " \
-           "850.14 M in 260 tensors" in out
+    # the MoE on NorMuon (the default): every matrix but the embedding; NorMuon keeps one fp32
+    # momentum per parameter (and per-row second moments), CautiousAdamW two
+    assert "HyMo optimizers (hymo_recipes/optim/partition.py): normuon 1012.01 M in 268 tensors; cautious_adamw " \
+           "7.75 M in 204 tensors" in out
     assert ("HyMo memory per GPU at 8 data-parallel rank(s) (FSDP2, sharded): parameters 0.47 GiB, gradients 0.47 GiB, "
-            "optimizer states 0.87 GiB") in out
+            "optimizer states 0.48 GiB") in out
     assert "hymo check: train_configs/hymo_750m.toml passed at 8 process(es)" in out
     assert int(out.rsplit("maxrss_kb=", 1)[1].split()[0]) < 4 << 20
     assert not (tmp_path / "x").exists()

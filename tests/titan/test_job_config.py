@@ -26,7 +26,7 @@ custom_config_module = "{module}"
 
 [optimizer]
 normuon_lr = 0.01
-moe_on_normuon = true
+moe_on_normuon = false
 embed_weight_decay = 0.02
 
 [lr_scheduler]
@@ -58,8 +58,8 @@ def parse(tmp_path, monkeypatch):
 def test_fields_parse_with_defaults_toml_and_cli(parse):
     cfg = parse("--optimizer.normuon_update_scale", "rms", "--optimizer.no-adamw_cautious_wd")
     o, s = cfg.optimizer, cfg.lr_scheduler
-    assert (o.name, o.lr, o.normuon_lr, o.normuon_momentum) == ("NorMuon", 3e-4, 0.01, 0.95)
-    assert (o.normuon_update_scale, o.adamw_cautious_wd, o.moe_on_normuon) == ("rms", False, True)
+    assert (o.name, o.lr, o.normuon_lr, o.normuon_momentum) == ("NorMuon", 2.4e-3, 0.01, 0.95)
+    assert (o.normuon_update_scale, o.adamw_cautious_wd, o.moe_on_normuon) == ("rms", False, False)
     assert (o.normuon_orthogonalizer, o.normuon_ortho_dtype) == ("polar_express", "bfloat16")
     assert (s.warmup_fraction, s.decay_type) == (0.1, "sqrt")
     assert (s.min_lr_factor, s.warmup_steps) == (0.05, None)
@@ -70,11 +70,10 @@ def test_builders_accept_the_parsed_sections(parse):
     model = _tiny.make_model()
     opts = build_hymo_optimizers([model], cfg.optimizer, None)
     scheds = build_hymo_lr_schedulers(opts, cfg.lr_scheduler, cfg.training.steps)
-    # moe_on_normuon: the 3-D experts are in NorMuon; the embedding decays at 0.02
-    normuon = opts.optimizers[opts.optimizer_names.index("normuon")]
-    experts_w1 = model.layers["0"].moe.experts.w1
-    assert any(p is experts_w1 for g in normuon.param_groups for p in g["params"])
+    # moe_on_normuon = false: the 3-D experts are in CautiousAdamW; the embedding decays at 0.02
     adamw = opts.optimizers[opts.optimizer_names.index("cautious_adamw")]
+    experts_w1 = model.layers["0"].moe.experts.w1
+    assert any(p is experts_w1 for g in adamw.param_groups for p in g["params"])
     emb = next(g for g in adamw.param_groups if g["group"] == "embedding")
     assert emb["weight_decay"] == 0.02
     # 20 steps × 10% warmup: step 1 runs at 1/2 of the peak lr

@@ -51,7 +51,7 @@ def test_container_holds_both_optimizers_with_their_lrs():
     assert opts.optimizer_names == ["normuon", "cautious_adamw"]
     assert isinstance(opts.optimizers[0], NorMuon) and isinstance(opts.optimizers[1], CautiousAdamW)
     # warmup of 2 steps (0.2 × 10): step 1 runs at half the peak lr
-    assert opts.lrs() == pytest.approx({"normuon": 0.01, "cautious_adamw": 1.5e-4})
+    assert opts.lrs() == pytest.approx({"normuon": 0.01, "cautious_adamw": 1.2e-3})
     assert len(scheds.schedulers) == 2
 
 
@@ -96,7 +96,7 @@ def test_dcp_save_load_resumes_exactly(tmp_path):
              checkpoint_id=str(tmp_path / "step-3"))
     # the scheduler bug TorchTitan 0.2.2 has: each optimizer must keep its own base lr
     factor = 1.0  # step 4 is in the stable phase (steps 3..6)
-    assert opts2.lrs() == pytest.approx({"normuon": 0.02 * factor, "cautious_adamw": 3e-4 * factor})
+    assert opts2.lrs() == pytest.approx({"normuon": 0.02 * factor, "cautious_adamw": 2.4e-3 * factor})
     got = train_steps(model2, opts2, scheds2, range(4, 7))
     assert got == expected
     params, state = snapshot(model2, opts2)
@@ -112,7 +112,7 @@ def test_lr_scheduler_state_has_one_entry_per_optimizer():
     sd = scheds.state_dict()
     assert set(sd) == {"normuon", "cautious_adamw"}
     assert sd["normuon"]["base_lrs"][0] == pytest.approx(0.02)
-    assert sd["cautious_adamw"]["base_lrs"][0] == pytest.approx(3e-4)
+    assert sd["cautious_adamw"]["base_lrs"][0] == pytest.approx(2.4e-3)
     assert sd["normuon"]["last_epoch"] == 2
 
 
@@ -126,7 +126,7 @@ def test_baseline_names():
     group = adamw.param_groups[0]
     assert len(group["params"]) == len(list(model.parameters()))
     assert (group["weight_decay"], group["foreach"], group["fused"]) == (0.05, False, False)
-    assert group["betas"] == (0.9, 0.95) and group["lr"] == pytest.approx(1.5e-4)  # warmup
+    assert group["betas"] == (0.9, 0.95) and group["lr"] == pytest.approx(1.2e-3)  # warmup
     opts, _ = build(model, name="CautiousAdamW")
     assert opts.optimizer_names == ["cautious_adamw"]
     with pytest.raises(ValueError, match="optimizer.name"):
