@@ -49,11 +49,12 @@ from hymo_recipes.optim.partition import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def adamw_params(flavor: str, device: str) -> list[torch.Tensor]:
+def adamw_params(flavor: str, device: str, moe_on_normuon: bool) -> list[torch.Tensor]:
     args = dataclasses.replace(hymo_flavors[flavor], gdn_backend="naive")
     with torch.device("meta"):
         model = HymoModel(args)
-    groups = build_param_groups(model.named_parameters(), hymo_param_table())[CAUTIOUS_ADAMW]
+    table = hymo_param_table(moe_on_normuon=moe_on_normuon)
+    groups = build_param_groups(model.named_parameters(), table)[CAUTIOUS_ADAMW]
     g = torch.Generator().manual_seed(0)
     return [torch.randn(p.shape, generator=g).to(device) for grp in groups for p in grp["params"]]
 
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     ap.add_argument("--optimizer", default="cautious_adamw", choices=["cautious_adamw", "normuon"])
     ap.add_argument("--moe-on-normuon", action="store_true",
-                    help="normuon: also the router and experts (3-D stacks) on NorMuon")
+                    help="the router and experts (3-D stacks) on NorMuon, as the shipped default has them; "
+                         "without it the seed's split (them on CautiousAdamW), which BENCHMARKS.md's rows timed")
     ap.add_argument("--baseline", default=None,
                     help="normuon: a .py file defining another NorMuon to time against")
     ap.add_argument("--no-ortho", action="store_true",
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     if args.optimizer == "normuon":
         return main_normuon(args)
 
-    params0 = adamw_params(args.flavor, args.device)
+    params0 = adamw_params(args.flavor, args.device, args.moe_on_normuon)
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(p.shape, generator=g).to(args.device) for p in params0]
     n = sum(p.numel() for p in params0)

@@ -15,9 +15,10 @@ call. Rows:
 - ``triton_cached``: the same kernel's compiled object launched directly (no argument binding
   or specialisation lookup): what a launcher that cached the compiled kernel would pay;
 - ``conv_fwd`` / ``conv_bwd``: ``hymo_kernels.gdn.short_conv`` forward and backward (1 and 1
-  launches, plus the backward's dw sum);
+  launches, plus the backward's dw sum); ``conv_qkv_fwd`` / ``conv_qkv_bwd``: the q, k and v
+  convs in one launch each way (the mixer's);
 - ``chunk_fwd``: the chunked GDN kernel's forward (``chunk_gated_delta_rule``, 4 launches);
-- ``mixer_fwd``: the fused mixer's forward op (``conv_gated_delta_rule``: 3 convs + the chunk
+- ``mixer_fwd``: the fused mixer's forward op (``conv_gated_delta_rule``: the q/k/v convs + the chunk
   forward); ``mixer_fwd_packed``: the same on a packed batch of 4 documents (cu_seqlens);
 - ``gated_norm_fwd``: ``gated_norm_linear`` (the gated norm kernel + the output GEMM).
 """
@@ -42,7 +43,7 @@ def _empty_kernel(a_ptr, b_ptr, c_ptr, d_ptr, n0, n1, n2, n3, n4, n5, W: tl.cons
 def _cases(dev: str, dtype: torch.dtype):
     from hymo_kernels.gdn.chunk import chunk_gated_delta_rule
     from hymo_kernels.gdn.mixer import conv_gated_delta_rule, gated_norm_linear
-    from hymo_kernels.gdn.short_conv import conv_silu_bwd, conv_silu_fwd
+    from hymo_kernels.gdn.short_conv import conv_silu_bwd, conv_silu_fwd, conv_silu_qkv_bwd, conv_silu_qkv_fwd
 
     gen = torch.Generator().manual_seed(0)
 
@@ -78,6 +79,8 @@ def _cases(dev: str, dtype: torch.dtype):
     cases.update({
         "conv_fwd": lambda: conv_silu_fwd(x, w),
         "conv_bwd": lambda: conv_silu_bwd(x, w, dy),
+        "conv_qkv_fwd": lambda: conv_silu_qkv_fwd(x, x, x, w, w, w),
+        "conv_qkv_bwd": lambda: conv_silu_qkv_bwd(x, x, x, w, w, w, dy, dy, dy),
         "chunk_fwd": lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True),
         "mixer_fwd": lambda: conv_gated_delta_rule(x, x, x, w, w, w, g, beta, head_k=K, head_v=K),
         "mixer_fwd_packed": lambda: conv_gated_delta_rule(x, x, x, w, w, w, g, beta, head_k=K, head_v=K,

@@ -52,11 +52,12 @@ from hymo_recipes.titan.optimizers import optimizers_for_part
 TRACKED_PREFIXES = ("block", "gdn_o", "dlogits")
 
 
-def optimizer_config(name: str = "NorMuon", lr: float = 3e-4, normuon_lr: float = 0.02, **overrides):
-    """An ``[optimizer]`` section: HyMo's field defaults plus TorchTitan's built-in fields."""
+def optimizer_config(name: str = "NorMuon", lr: float | None = None, normuon_lr: float | None = None, **overrides):
+    """An ``[optimizer]`` section: HyMo's field defaults (the lrs too, unless given) plus
+    TorchTitan's built-in fields."""
     fields = dataclasses.asdict(_OptimizerFields())
-    fields.update(name=name, lr=lr, normuon_lr=normuon_lr, beta1=0.9, beta2=0.95, eps=1e-8,
-                  weight_decay=0.1, implementation="foreach")
+    fields.update(name=name, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation="foreach")
+    fields.update({k: v for k, v in dict(lr=lr, normuon_lr=normuon_lr).items() if v is not None})
     fields.update(overrides)
     return types.SimpleNamespace(**fields)
 

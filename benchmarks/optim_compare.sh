@@ -7,7 +7,7 @@
 #
 # Shape: the config's own, 4 x 4096 tokens per step, 200 steps = 3.3 M tokens, i.e. about 2.3
 # passes over the embedded Brown Corpus train split (1.4 M tokens): a short-horizon comparison
-# on repeated data, one seed, untuned AdamW lr (the config's optimizer.lr, 3e-4; set
+# on repeated data, one seed, untuned AdamW lr (the config's optimizer.lr, CautiousAdamW's; set
 # ADAMW_LR=... to try another). Schedule for both: HyMo's WSD (2% / 83% / 15%) over the 200
 # steps. No checkpoints, no validation. A run takes about 2 minutes on one H200, so the pair
 # fits one 10-minute call (on two GPUs they go side by side); each run is cut at RUN_TIMEOUT

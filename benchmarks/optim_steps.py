@@ -20,14 +20,15 @@ A recipe is (optimizer, lr, NorMuon lr, MoE on NorMuon): ``lr`` is AdamW's, or C
 router and experts unless they are on NorMuon).
 
 1. Tuning, on the first seed: AdamW at each of ``--adamw-lrs``; NorMuon + CautiousAdamW at each
-   of ``--normuon-mults`` × the shipped lrs (both scaled together) and at each pair of
+   of ``--normuon-mults`` × the seed's lrs (NorMuon 0.02, CautiousAdamW 3e-4, the MoE on
+   CautiousAdamW; both scaled together) and at each pair of
    ``--normuon-lrs NORMUON_LR:LR[:moe]`` (set apart; ``:moe`` puts the MoE on NorMuon);
    CautiousAdamW over every parameter at each of ``--cautious-lrs`` (a diagnostic: the cautious
    AdamW and the table's decays without NorMuon). The best AdamW and the best NorMuon recipe =
    the lowest final loss (mean main-head CE of the last tenth of the steps) among the stored
    runs of the first seed.
 2. Both best recipes at every seed of ``--seeds``, and the shipped recipe (job_config's
-   defaults) too.
+   defaults) and the seed's too.
 3. The tuned NorMuon recipe at every seed for fewer steps: ``--fractions`` of ``--steps``, each
    run its own warmup-stable-decay schedule over its steps (the first batches of the same order).
 4. The target = tuned AdamW's held-out CE after ``--steps`` (mean over the seeds; the held-out
@@ -91,6 +92,10 @@ class Recipe(NamedTuple):
 
 _FIELDS = _OptimizerFields()
 SHIPPED = Recipe("NorMuon", _lr(_FIELDS.lr), _lr(_FIELDS.normuon_lr), _FIELDS.moe_on_normuon)
+# the seed's recipe (DESIGN.md §3): the MoE on CautiousAdamW at 3e-4; --normuon-mults scale it
+SEED = Recipe("NorMuon", 3e-4, 0.02, False)
+ROW_NAMES = {"adamw": "AdamW (tuned)", "normuon": "NorMuon + CautiousAdamW (tuned)",
+             "shipped": "NorMuon + CautiousAdamW (shipped)", "seed": "NorMuon + CautiousAdamW (the seed's)"}
 
 
 def recipe_of(r: dict) -> Recipe:
@@ -111,7 +116,8 @@ def normuon_pair(spec: str) -> Recipe:
         if not (n > 0 and a > 0):
             raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--normuon-lrs {spec!r}: NORMUON_LR:LR or NORMUON_LR:LR:moe, both > 0") from None
+        raise argparse.ArgumentTypeError(
+            f"--normuon-lrs {spec!r}: NORMUON_LR:LR or NORMUON_LR:LR:moe, both > 0") from None
     return Recipe("NorMuon", _lr(a), _lr(n), len(parts) == 3)
 
 
@@ -139,7 +145,7 @@ def _row(recipe: Recipe, runs: list[dict]) -> dict:
 
 
 def verdict(results: list[dict], seeds: list[int], steps: int, lengths: list[int]) -> dict | None:
-    """{"adamw", "normuon", "default": rows of full-length runs, "lengths": {run steps: row of the
+    """{"adamw", "normuon", "shipped", "seed": rows of full-length runs, "lengths": {run steps: row of the
     tuned NorMuon recipe}, "target", "needed", "ratio"} from the stored runs, or None if some are
     missing. The target is tuned AdamW's held-out CE after ``steps`` (mean over the seeds);
     "needed" the fewest run steps (of ``lengths`` and ``steps``) at which the tuned NorMuon
@@ -151,7 +157,7 @@ def verdict(results: list[dict], seeds: list[int], steps: int, lengths: list[int
     by_key = {run_key(r): r for r in results}
     rows = {}
     for label, recipe in (("adamw", recipe_of(tuned["AdamW"])), ("normuon", recipe_of(tuned["NorMuon"])),
-                          ("default", SHIPPED)):
+                          ("shipped", SHIPPED), ("seed", SEED)):
         runs = [by_key.get((*recipe, steps, s)) for s in seeds]
         if None in runs:
             return None
@@ -182,10 +188,8 @@ def markdown(results: list[dict], seeds: list[int], steps: int, lengths: list[in
         return "\n".join(lines)
     lines += ["", f"## Seeds {seeds}, {steps} steps (means over the seeds)", "",
               "| run | recipe | final | held-out, per seed | held-out | seconds per run |", "|---|---|---|---|---|---|"]
-    for label in ("adamw", "normuon", "default"):
+    for label, name in ROW_NAMES.items():
         row = v[label]
-        name = {"adamw": "AdamW (tuned)", "normuon": "NorMuon + CautiousAdamW (tuned)",
-                "default": "NorMuon + CautiousAdamW (shipped)"}[label]
         per_seed = ", ".join(f"{r['heldout']:.4f}" for r in row["runs"])
         lines.append(f"| {name} | {row['recipe'].label()} | {row['final']:.4f} | {per_seed} | {row['heldout']:.4f} | "
                      f"{row['seconds']:.0f} |")
@@ -217,14 +221,18 @@ def plot(results: list[dict], seeds: list[int], steps: int, lengths: list[int], 
 
     window = max(1, steps // 10)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, color in (("adamw", "tab:blue"), ("normuon", "tab:red"), ("default", "tab:orange")):
+    drawn = set()
+    for label, color in (("adamw", "tab:blue"), ("normuon", "tab:red"), ("shipped", "tab:purple"),
+                         ("seed", "tab:orange")):
         row = v[label]
-        if label == "default" and row["recipe"] == v["normuon"]["recipe"]:
-            continue  # the shipped recipe is the tuned one: its curves are drawn already
+        if row["recipe"] in drawn:
+            continue  # the same recipe as a row before (the shipped one is the tuned one)
+        drawn.add(row["recipe"])
+        tags = [n.split("(")[1].rstrip(")") for n, r in ((ROW_NAMES[k], v[k]["recipe"]) for k in ROW_NAMES)
+                if r == row["recipe"]]
         for i, r in enumerate(row["runs"]):
-            name = row["recipe"].label()
             ax.plot(range(1, len(r["curve"]) + 1), trailing_mean(r["curve"], window), color=color, alpha=0.8,
-                    lw=1, label=name + (" (shipped)" if label == "default" else "") if i == 0 else None)
+                    lw=1, label=f"{row['recipe'].label()} ({', '.join(tags)})" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training main-head CE (trailing mean of {window})")
     ax.set_ylim(v["normuon"]["final"] - 0.5, v["normuon"]["final"] + 2.5)
@@ -255,30 +263,31 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="default 512")
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=None, help="default 3e-4 6e-4 1.2e-3 2.4e-3 4.8e-3")
     p.add_argument("--normuon-mults", type=float, nargs="+", default=None,
-                   help="NorMuon recipes: both shipped lrs times each (default 0.5 1 2 4 8 16)")
+                   help="NorMuon recipes: both of the seed's lrs times each (default 0.5 1 2 4 8 16)")
     p.add_argument("--normuon-lrs", type=normuon_pair, nargs="+", default=[], metavar="NORMUON_LR:LR[:moe]",
                    help="more NorMuon recipes, the two lrs set apart (':moe': the MoE on NorMuon too)")
     p.add_argument("--cautious-lrs", type=float, nargs="+", default=[],
                    help="CautiousAdamW over every parameter at each lr (tuning seed only)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (the first tunes)")
     p.add_argument("--fractions", type=float, nargs="+", default=None,
-                   help="shorter runs of the tuned NorMuon recipe, as fractions of --steps (default 0.6 0.7 0.8)")
+                   help="shorter runs of the tuned NorMuon recipe, as fractions of --steps (default 0.5 0.65 0.8)")
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--goal", type=float, default=0.8)
     p.add_argument("--out", default="benchmarks/optim_steps", help="output prefix (.json, .md, .png)")
     p.add_argument("--report-only", action="store_true", help="write .md and .png from the stored runs; run nothing")
     p.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
                    help="run every N-th run of each phase from the I-th on (those not stored yet; N processes of one "
-                        "call share the GPU and one .json); the seeded phase starts once every shard's tuning runs are in")
+                        "call share the GPU and one .json); each phase (tuning, seeds, shorter runs) starts once "
+                        "every shard's runs of the one before are in")
     a = p.parse_args(argv)
     dry = a.dry
     steps = a.steps or (12 if dry else 600)
     batch, seq = a.batch or (2 if dry else 8), a.seq or (32 if dry else 512)
     adamw_lrs = a.adamw_lrs or ([1e-3, 4e-3] if dry else [3e-4, 6e-4, 1.2e-3, 2.4e-3, 4.8e-3])
-    # up to x 16: 200-step muP sweeps at this batch found x 8 best (benchmarks/mup_lr_sweep.md)
+    # up to x 16 of the seed's lrs: 200-step muP sweeps at this batch found x 8 best (benchmarks/mup_lr_sweep.md)
     mults = a.normuon_mults or ([1.0, 2.0] if dry else [0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
     seeds = a.seeds or ([0, 1] if dry else [0, 1, 2])
-    fractions = a.fractions or ([0.5] if dry else [0.6, 0.7, 0.8])
+    fractions = a.fractions or ([0.5] if dry else [0.5, 0.65, 0.8])
     if not all(0 < f < 1 for f in fractions):
         p.error(f"--fractions {fractions}: each between 0 and 1")
     lengths = sorted({max(1, round(f * steps)) for f in fractions})
@@ -328,16 +337,19 @@ def main(argv=None) -> int:
             return {(*k[0], *k[1:]) for k in keys} <= {run_key(r) for r in results}
 
         recipes = ([Recipe("AdamW", _lr(lr)) for lr in adamw_lrs]
-                   + [Recipe("NorMuon", _lr(SHIPPED.lr * m), _lr(SHIPPED.normuon_lr * m), SHIPPED.moe_on_normuon)
+                   + [Recipe("NorMuon", _lr(SEED.lr * m), _lr(SEED.normuon_lr * m), SEED.moe_on_normuon)
                       for m in mults]
                    + a.normuon_lrs + [Recipe("CautiousAdamW", _lr(lr)) for lr in a.cautious_lrs])
-        recipes = list(dict.fromkeys(recipes + [SHIPPED]))  # the shipped recipe is always a row
+        recipes = list(dict.fromkeys(recipes + [SHIPPED, SEED]))  # both are always rows
         tuning = [(recipe, steps, seeds[0]) for recipe in recipes]
         results = run_all(tuning)
         waiting = "the tuning runs"
         if stored(tuning):
             full = [r for r in results if r["run_steps"] == steps]
-            tuned = [recipe_of(best(full, name, seeds[0])) for name in ("AdamW", "NorMuon")] + [SHIPPED]
+            bests = [best(full, name, seeds[0]) for name in ("AdamW", "NorMuon")]
+            if None in bests:
+                sys.exit("optim_steps: every tuning run of AdamW or of NorMuon diverged: widen the lr grids")
+            tuned = [recipe_of(r) for r in bests] + [SHIPPED, SEED]
             seeded = [(recipe, steps, seed) for seed in seeds[1:] for recipe in dict.fromkeys(tuned)]
             results = run_all(seeded)
             waiting = "the seeded runs"
@@ -351,7 +363,8 @@ def main(argv=None) -> int:
     machines = "; ".join(sorted({r.get("machine") or "GPU" for r in results})) or "no runs"
     meta = (f"Flavor {a.flavor} ({args.n_layers} layers, dim {args.dim}, vocab {vocab}), {steps} steps of {batch} x "
             f"{seq} Brown tokens (the same order for every run), WSD 2/83/15 %, clipping {a.max_norm}; shipped: "
-            f"{SHIPPED.label()}; {machines}; this call "
+            f"{SHIPPED.label()}; the seed's: {SEED.label()}; "
+            f"{machines}; this call "
             f"{time.perf_counter() - t0:.0f} s. Command: python -m benchmarks.optim_steps "
             + " ".join(argv if argv is not None else sys.argv[1:]))
     text = markdown(results, seeds, steps, lengths, meta)

@@ -18,6 +18,6 @@ def test_dry_run_times_every_entry_point(capsys):
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| entry")}
-    assert set(rows) == {"aten_add", "triton_bare", "conv_fwd", "conv_bwd", "chunk_fwd", "mixer_fwd",
-                         "mixer_fwd_packed", "gated_norm_fwd"}
+    assert set(rows) == {"aten_add", "triton_bare", "conv_fwd", "conv_bwd", "conv_qkv_fwd", "conv_qkv_bwd",
+                         "chunk_fwd", "mixer_fwd", "mixer_fwd_packed", "gated_norm_fwd"}
     assert all(float(us) > 0 for us in rows.values())

@@ -23,19 +23,21 @@ def _normuon(normuon_lr, lr, moe=False):
 def test_verdict_is_the_shortest_run_at_adamws_held_out_loss():
     # 20 steps. AdamW at its best lr (2e-3) ends at held-out ~5.0; the tuned NorMuon recipe (its
     # lrs set apart, the MoE on NorMuon) at 4.6 after 20 steps, 4.9 after 14 and 5.2 after 10 (per-seed
-    # values around those means); the shipped recipe never gets there
+    # values around those means); the seed's recipe never gets there
     adamw = optim_steps.Recipe("AdamW", 2e-3)
     tuned = _normuon(0.04, 2e-3, moe=True)
     results = [_run(optim_steps.Recipe("AdamW", 1e-3), s, 5.5) for s in (0, 1)]
     results += [_run(adamw, 0, 4.95), _run(adamw, 1, 5.05)]
     results += [_run(tuned, s, 4.6 + 0.1 * s) for s in (0, 1)]
     results += [_run(_normuon(0.04, 2e-3), 0, 4.9)]  # the same lrs, the MoE on CautiousAdamW: not the best
-    results += [_run(optim_steps.SHIPPED, s, 6.0) for s in (0, 1)]
+    results += [_run(optim_steps.SHIPPED, s, 5.3) for s in (0, 1)]
+    results += [_run(optim_steps.SEED, s, 6.0) for s in (0, 1)]
     results += [_run(tuned, 0, 4.85, steps=14), _run(tuned, 1, 4.95, steps=14)]
     results += [_run(tuned, 0, 5.15, steps=10), _run(tuned, 1, 5.25, steps=10)]
     v = optim_steps.verdict(results, [0, 1], 20, [10, 14])
     assert v["adamw"]["recipe"] == adamw and v["normuon"]["recipe"] == tuned
-    assert v["default"]["recipe"] == optim_steps.SHIPPED
+    assert v["shipped"]["recipe"] == optim_steps.SHIPPED and v["seed"]["recipe"] == optim_steps.SEED
+    assert v["seed"]["heldout"] == pytest.approx(6.0)
     assert v["target"] == pytest.approx(5.0)
     assert [round(v["lengths"][n]["heldout"], 6) for n in (10, 14, 20)] == [5.2, 4.9, 4.65]
     assert v["needed"] == 14 and v["ratio"] == pytest.approx(0.7)
@@ -52,14 +54,14 @@ def test_dry_run_tunes_then_seeds_then_shortens_and_resumes(tmp_path, capsys):
     code = optim_steps.main(["--dry", "--out", str(out)])
     runs = json.loads(out.with_suffix(".json").read_text())
     keys = [optim_steps.run_key(r) for r in runs]
-    shipped = optim_steps.SHIPPED
-    double = _normuon(2 * shipped.normuon_lr, 2 * shipped.lr, shipped.moe_on_normuon)
+    shipped, seed = optim_steps.SHIPPED, optim_steps.SEED
+    double = _normuon(2 * seed.normuon_lr, 2 * seed.lr, seed.moe_on_normuon)  # --normuon-mults scale the seed's
     tune = {("AdamW", 1e-3, None, False, 12, 0), ("AdamW", 4e-3, None, False, 12, 0), (*shipped, 12, 0),
-            (*double, 12, 0)}
+            (*seed, 12, 0), (*double, 12, 0)}
     assert tune <= set(keys) and len(keys) == len(set(keys))
     best = {n: optim_steps.recipe_of(min((r for r in runs if r["optimizer"] == n and r["seed"] == 0),
                                          key=lambda r: r["final"])) for n in ("AdamW", "NorMuon")}
-    seeded = {(*best["AdamW"], 12, 1), (*best["NorMuon"], 12, 1), (*shipped, 12, 1)}
+    seeded = {(*best["AdamW"], 12, 1), (*best["NorMuon"], 12, 1), (*shipped, 12, 1), (*seed, 12, 1)}
     shorter = {(*best["NorMuon"], 6, 0), (*best["NorMuon"], 6, 1)}  # --fractions 0.5 in the dry mode
     assert set(keys) == tune | seeded | shorter
     assert all(len(r["curve"]) == r["run_steps"] and r["machine"].startswith("CPU") for r in runs)
@@ -84,7 +86,7 @@ def test_dry_run_in_two_shards_runs_each_run_once(tmp_path, capsys):
     out = tmp_path / "os"
     optim_steps.main(["--dry", "--out", str(out), "--shard", "0/2"])
     first = json.loads(out.with_suffix(".json").read_text())
-    assert len(first) == 2 and all(r["seed"] == 0 for r in first)
+    assert len(first) == 3 and all(r["seed"] == 0 for r in first)
     assert "the tuning runs of other shards are not all stored yet" in capsys.readouterr().out
     for shard in ("1/2", "0/2", "1/2", "0/2"):
         optim_steps.main(["--dry", "--out", str(out), "--shard", shard])
@@ -93,11 +95,12 @@ def test_dry_run_in_two_shards_runs_each_run_once(tmp_path, capsys):
     best = {n: optim_steps.recipe_of(min((r for r in runs if r["optimizer"] == n and r["seed"] == 0 and
                                           r["run_steps"] == 12), key=lambda r: r["final"]))
             for n in ("AdamW", "NorMuon")}
-    seeded = {(*best["AdamW"], 12, 1), (*best["NorMuon"], 12, 1), (*optim_steps.SHIPPED, 12, 1)}
+    seeded = {(*best["AdamW"], 12, 1), (*best["NorMuon"], 12, 1), (*optim_steps.SHIPPED, 12, 1),
+              (*optim_steps.SEED, 12, 1)}
     shorter = {(*best["NorMuon"], 6, 0), (*best["NorMuon"], 6, 1)}
     assert len(keys) == len(set(keys))
     assert set(keys) == {k for k in keys if k[-1] == 0 and k[-2] == 12} | seeded | shorter
-    assert len([k for k in keys if k[-1] == 0 and k[-2] == 12]) == 4
+    assert len([k for k in keys if k[-1] == 0 and k[-2] == 12]) == 5
     capsys.readouterr()
     optim_steps.main(["--dry", "--out", str(out), "--shard", "1/2"])
     assert "optim_steps: " not in capsys.readouterr().out.split("# ")[0]  # nothing left to run
@@ -111,7 +114,7 @@ def test_dry_run_takes_recipes_with_the_lrs_set_apart(tmp_path, capsys):
                       "--normuon-mults", "1", "--normuon-lrs", "0.04:2e-3:moe", "--cautious-lrs", "2e-3"])
     runs = json.loads(out.with_suffix(".json").read_text())
     keys = {optim_steps.run_key(r) for r in runs if r["run_steps"] == 4}
-    assert keys == {("AdamW", 1e-3, None, False, 4, 0), (*optim_steps.SHIPPED, 4, 0),
+    assert keys == {("AdamW", 1e-3, None, False, 4, 0), (*optim_steps.SHIPPED, 4, 0), (*optim_steps.SEED, 4, 0),
                     ("NorMuon", 2e-3, 0.04, True, 4, 0), ("CautiousAdamW", 2e-3, None, False, 4, 0)}
     md = out.with_suffix(".md").read_text()
     assert "| NorMuon 0.04 + CautiousAdamW 0.002, MoE on NorMuon |" in md and "| CautiousAdamW 0.002 |" in md

@@ -2,7 +2,7 @@
 
 TorchTitan 0.2.2's ``OptimizersContainer`` pairs optimizers with model parts by ``zip`` (one
 optimizer per part) and its ``LRSchedulersContainer`` saves only the first scheduler and loads
-it into all of them (with NorMuon at 0.02 and AdamW at 3e-4, AdamW silently inherits NorMuon's
+it into all of them (with NorMuon at 0.02 and CautiousAdamW at 2.4e-3, CautiousAdamW silently inherits NorMuon's
 base lr after a resume). The subclasses here keep (part, optimizer) pairs explicitly and save
 one scheduler state per optimizer name.
 
@@ -351,7 +351,8 @@ def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
         normuon_weight_decay=cfg.normuon_weight_decay,
         adamw_weight_decay=cfg.weight_decay,
         embed_weight_decay=cfg.embed_weight_decay,
-        moe_on_normuon=cfg.moe_on_normuon,
+        # the CautiousAdamW baseline takes the MoE at its own weight decay, wherever NorMuon would
+        moe_on_normuon=cfg.moe_on_normuon and cfg.name == "NorMuon",
     )
     groups = build_param_groups(part.named_parameters(), rules)
     if cfg.name == "CautiousAdamW":

@@ -348,7 +348,7 @@ def conv_silu_qkv_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor
                       wk: torch.Tensor, wv: torch.Tensor, positions: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """conv_silu_fwd of the three projections with their own weights, in one launch (W ≤ 4; for
-    a wider conv, one launch each). The same values as three conv_silu_fwd calls."""
+    a wider conv, one launch each). Bitwise what three conv_silu_fwd calls give."""
     xs, ws = (q_in, k_in, v_in), (wq, wk, wv)
     for x, w in zip(xs, ws):
         _check(x, w, positions)
@@ -369,8 +369,8 @@ def conv_silu_qkv_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor
 
 def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None):
     """conv_silu_bwd of the three projections in one launch and one dw sum (W ≤ 4; for a wider
-    conv, one call each): (dq_in, dk_in, dv_in, dwq, dwk, dwv), the same values as three
-    conv_silu_bwd calls."""
+    conv, one call each): (dq_in, dk_in, dv_in, dwq, dwk, dwv). dx is bitwise what three
+    conv_silu_bwd calls give; dw equal up to the order of the fp32 sum over the partials."""
     xs, ws, dys = (q_in, k_in, v_in), (wq, wk, wv), (dq, dk, dv)
     for x, w in zip(xs, ws):
         _check(x, w, positions)

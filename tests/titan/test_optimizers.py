@@ -127,8 +127,14 @@ def test_baseline_names():
     assert len(group["params"]) == len(list(model.parameters()))
     assert (group["weight_decay"], group["foreach"], group["fused"]) == (0.05, False, False)
     assert group["betas"] == (0.9, 0.95) and group["lr"] == pytest.approx(1.2e-3)  # warmup
-    opts, _ = build(model, name="CautiousAdamW")
+    opts, _ = build(model, name="CautiousAdamW", weight_decay=0.05, normuon_weight_decay=0.3)
     assert opts.optimizer_names == ["cautious_adamw"]
+    # every group of the table on CautiousAdamW; the experts at its weight decay, not NorMuon's
+    # (where the default moe_on_normuon would put them)
+    (cadamw,) = opts.optimizers
+    experts = next(g for g in cadamw.param_groups if g["group"] == "experts")
+    hidden = next(g for g in cadamw.param_groups if g["group"] == "hidden")
+    assert experts["weight_decay"] == 0.05 and hidden["weight_decay"] == 0.3
     with pytest.raises(ValueError, match="optimizer.name"):
         build(model, name="Adam")
 
