@@ -44,7 +44,6 @@ def _convs(q_in, k_in, v_in, wq, wk, wv, positions, head_k: int, head_v: int):
     return _heads(q, head_k), _heads(k, head_k), _heads(v, head_v)
 
 
-
 @torch.library.custom_op("hymo_kernels::conv_gdn_fwd", mutates_args=())
 def conv_gdn_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                  wv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,

@@ -344,17 +344,24 @@ def conv_silu_bwd(x, w, dy, positions=None):
     return dx, dw_part.sum(0).t().contiguous().to(w.dtype)  # [C, W]
 
 
+def _one_launch(xs, ws, positions) -> bool:
+    """Checks the three (x, w) pairs; whether one row-walking launch can take them (W ≤ 4, the
+    same W and the same [B, T] for all three)."""
+    for x, w in zip(xs, ws):
+        _check(x, w, positions)
+    W = ws[0].shape[1]
+    return W <= ROWS_MAX_W and all(w.shape[1] == W for w in ws) and all(x.shape[:2] == xs[0].shape[:2] for x in xs)
+
+
 def conv_silu_qkv_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq: torch.Tensor,
                       wk: torch.Tensor, wv: torch.Tensor, positions: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """conv_silu_fwd of the three projections with their own weights, in one launch (W ≤ 4; for
     a wider conv, one launch each). Bitwise what three conv_silu_fwd calls give."""
     xs, ws = (q_in, k_in, v_in), (wq, wk, wv)
-    for x, w in zip(xs, ws):
-        _check(x, w, positions)
-    W = wq.shape[1]
-    if W > ROWS_MAX_W or any(x.shape[:2] != q_in.shape[:2] for x in xs) or any(w.shape[1] != W for w in ws):
+    if not _one_launch(xs, ws, positions):
         return tuple(conv_silu_fwd(x, w, positions) for x, w in zip(xs, ws))
+    W = wq.shape[1]
     B, T, _ = q_in.shape
     ys = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
     L, BC, warps = FWD_ROWS
@@ -372,12 +379,10 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None):
     conv, one call each): (dq_in, dk_in, dv_in, dwq, dwk, dwv). dx is bitwise what three
     conv_silu_bwd calls give; dw equal up to the order of the fp32 sum over the partials."""
     xs, ws, dys = (q_in, k_in, v_in), (wq, wk, wv), (dq, dk, dv)
-    for x, w in zip(xs, ws):
-        _check(x, w, positions)
-    W = wq.shape[1]
-    if W > ROWS_MAX_W or any(x.shape[:2] != q_in.shape[:2] for x in xs) or any(w.shape[1] != W for w in ws):
+    if not _one_launch(xs, ws, positions):
         grads = [conv_silu_bwd(x, w, dy, positions) for x, w, dy in zip(xs, ws, dys)]
         return (*(g[0] for g in grads), *(g[1] for g in grads))
+    W = wq.shape[1]
     B, T, _ = q_in.shape
     dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
     dxs = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
