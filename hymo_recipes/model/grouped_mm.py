@@ -2,8 +2,9 @@
 
 ``torch._grouped_mm`` needs every expert's group of rows to start at a multiple of
 ``ALIGN`` rows, so the tokens (sorted by expert) are gathered into a padded layout: expert e's
-group takes max(n_e, ALIGN) rows rounded up to a multiple of ALIGN. Every shape is fixed by the
-number of tokens and experts (no host sync).
+group takes max(n_e, ALIGN) rows rounded up to a multiple of ALIGN, where n_e counts only the
+assignments the capacity keeps (a dropped one takes no row and no work). Every shape is fixed by
+the number of tokens and experts (no host sync).
 The layout and the maths are TorchTitan's (``indices_padding_wrapper`` with
 ``_run_experts_grouped_mm``, one expert-parallel rank), so the valid rows' numbers are the same.
 """
@@ -13,21 +14,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .recompute import keep_matmuls
+
 ALIGN = 8  # rows per alignment unit of a group (TorchTitan's TOKEN_GROUP_ALIGN_SIZE_M)
 
 
-def padded_indices(num_tokens_per_expert: torch.Tensor, num_rows: int
+def padded_indices(num_tokens_per_expert: torch.Tensor, num_rows: int, capacity: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(index of the input row for each padded row, -1 for padding; padded group sizes [E];
-    the padded row of each input row [num_rows]).
+    the padded row of each input row [num_rows], -1 for a dropped one).
 
     Args:
         num_tokens_per_expert: [E] integer counts summing to ``num_rows``.
         num_rows: rows of the sorted input.
+        capacity: with a value, only the first ``capacity`` rows of each expert's group take a
+            place in the layout (the others are dropped: no row, no work); None keeps every row.
     """
     n = num_tokens_per_expert
     E = n.shape[0]
-    sizes = (n.clamp_min(ALIGN) + ALIGN - 1) // ALIGN * ALIGN
+    kept = n if capacity is None else n.clamp(max=capacity)
+    sizes = (kept.clamp_min(ALIGN) + ALIGN - 1) // ALIGN * ALIGN
     ends = sizes.cumsum(0)
     out_start = ends - sizes
     in_ends = n.cumsum(0)
@@ -36,26 +42,36 @@ def padded_indices(num_tokens_per_expert: torch.Tensor, num_rows: int
     pos = torch.arange(length, device=n.device)
     e = torch.searchsorted(ends, pos, right=True).clamp_max(E - 1)
     j = pos - out_start[e]
-    index = torch.where((j < n[e]) & (pos < ends[-1]), in_start[e] + j, -1)
+    index = torch.where((j < kept[e]) & (pos < ends[-1]), in_start[e] + j, -1)
     row = torch.arange(num_rows, device=n.device)
     e_row = torch.searchsorted(in_ends, row, right=True)  # the expert of each sorted input row
-    return index, sizes, out_start[e_row] + row - in_start[e_row]
+    rank = row - in_start[e_row]
+    return index, sizes, torch.where(rank < kept[e_row], out_start[e_row] + rank, -1)
 
 
 def grouped_swiglu(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
-                   num_tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_tokens_per_expert: torch.Tensor, capacity: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts on the rows ``rows`` [M] of x [N, dim] (sorted by expert) -> (out [L, dim] in
-    x's dtype, at [M]): out[at[s]] is the output of x[rows[s]] through its expert. bf16 matmuls
+    x's dtype, at [M]): out[at[s]] is the output of x[rows[s]] through its expert, and at[s] = -1
+    for an assignment past its expert's ``capacity`` (dropped, never computed). bf16 matmuls
     (weights [E, out, in]).
 
     The padded layout is gathered from x in one copy and the outputs stay in it (the caller
     reads them through ``at``). The padding rows are zeros, selected inside the same gather: the
     rows past the last group belong to no group, and ``torch._grouped_mm``'s backward leaves their
     input gradient undefined, which must not reach x."""
-    index, sizes, at = padded_indices(num_tokens_per_expert, rows.shape[0])
+    index, sizes, at = padded_indices(num_tokens_per_expert, rows.shape[0], capacity)
     real = index >= 0
     xp = torch.where(real[:, None], x[rows[index.clamp_min(0)]], 0).bfloat16()
     offsets = torch.cumsum(sizes, dim=0, dtype=torch.int32)
-    h = F.silu(torch._grouped_mm(xp, w1.bfloat16().transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(xp, w3.bfloat16().transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x), at
+    # the product recomputed in the backward, the projections kept (recompute.py)
+    out = keep_matmuls(_grouped, xp, w1.bfloat16(), w2.bfloat16(), w3.bfloat16(), offsets)
+    return out.type_as(x), at
+
+
+def _grouped(xp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, offsets: torch.Tensor
+             ) -> torch.Tensor:
+    h = F.silu(torch._grouped_mm(xp, w1.transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(xp, w3.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)

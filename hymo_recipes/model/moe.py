@@ -22,6 +22,11 @@ from torch import nn
 from .args import HymoModelArgs
 from .grouped_mm import grouped_swiglu
 from .init import trunc_normal_
+from .recompute import keep_matmuls
+
+
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class FeedForward(nn.Module):
@@ -34,7 +39,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        # the product recomputed in the backward, the projections kept (recompute.py)
+        return keep_matmuls(_swiglu, x, self.w1.weight, self.w2.weight, self.w3.weight)
 
     @torch.no_grad()
     def init_weights(self, init_std: float, out_std: float) -> None:
@@ -84,34 +90,44 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = use_grouped_mm
         self.mixed_precision = mixed_precision
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, num_tokens_per_expert: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts on rows ``rows`` [M] of x [N, dim], sorted by expert (num_tokens_per_expert
         [E] summing to M) -> (out [R, dim] in x's dtype, at [M]): out[at[s]] is the output of
-        x[rows[s]]. The grouped GEMMs leave their outputs in their padded layout (R ≥ M rows),
-        so that the caller gathers each token's outputs once; the loop's are in order (at = s)."""
+        x[rows[s]]; with ``capacity``, only the first ``capacity`` rows of each expert's group
+        are computed and the others get at[s] = -1. The grouped GEMMs leave their outputs in their
+        padded layout (R rows), so that the caller gathers each token's outputs once; the loop's
+        are in order (at = s for a computed row)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
         dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
         if self.use_grouped_mm and x.is_cuda and dtype == torch.bfloat16:
-            return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert)
-        out = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert)
-        return out.to(x.dtype), torch.arange(rows.shape[0], device=rows.device)
+            return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert, capacity)
+        out, at = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert,
+                             capacity)
+        return out.to(x.dtype), at
 
     @staticmethod
     def defined_outputs(output: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
         """The rows of forward's output that hold values (what nonfinite_probe checks): the padded
-        layout's rows past the last group are never written."""
+        layout's rows past the last group are never written, nor are dropped assignments'."""
         out, at = output
-        return [out[at]]
+        return [out[at[at >= 0]]]
 
     @staticmethod
-    def _loop(x, w1, w2, w3, num_tokens_per_expert):
+    def _loop(x, w1, w2, w3, num_tokens_per_expert, capacity=None):
+        """(out [M, dim], at [M]) with the rows past ``capacity`` in each group skipped (at -1)."""
         # one host sync for the split sizes; each expert is then three dense matmuls
-        outs = []
+        outs, ats, start = [], [], 0
         for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
-            h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
+            keep = xe if capacity is None else xe[:capacity]
+            h = F.silu(keep @ w1[e].transpose(0, 1)) * (keep @ w3[e].transpose(0, 1))
             outs.append(h @ w2[e].transpose(0, 1))
-        return torch.cat(outs)
+            n = keep.shape[0]  # the group's computed rows sit at start.. in out, its dropped ones at -1
+            ats += [torch.arange(start, start + n, device=x.device),
+                    torch.full((xe.shape[0] - n,), -1, dtype=torch.long, device=x.device)]
+            start += n
+        out, at = torch.cat(outs), torch.cat(ats)
+        return out, at
 
     @torch.no_grad()
     def init_weights(self, init_std: float, out_std: float) -> None:
@@ -193,12 +209,14 @@ class MoE(nn.Module):
             self.tokens_per_expert.add_(counts.float())
             self.dropped_tokens.add_(dropped.float())
 
-        # Dropped assignments still flow through their expert (with weight 0): fixed shapes
-        # keep the routing free of host syncs and friendly to torch.compile.
-        routed, at = self.experts(xf, token[order], counts)
+        # A dropped assignment is never computed (the experts skip the rows past capacity); its
+        # output reads as zero. Shapes stay fixed by N, k and E: no host sync, compile-friendly.
+        routed, at = self.experts(xf, token[order], counts, capacity)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(N * k, device=x.device)
-        routed = routed[at[unsort]].view(N, k, D)  # each token's k outputs, in one gather
+        at = at[unsort].view(N, k)
+        # each token's k outputs, in one gather; a dropped one's (at -1) zeroed in the same expression
+        routed = torch.where(at[..., None] >= 0, routed[at.clamp_min(0)], 0)
         # the weighted sum over a token's k outputs as one elementwise-and-sum (fused by the
         # compiler; a [1, k] x [k, D] bmm per token runs as a batched gemv, far slower)
         out = (weights[..., None] * routed.float()).sum(1).to(x.dtype)

@@ -23,6 +23,7 @@ CPU machine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -113,6 +114,49 @@ def _gpu_kernels():
     return GPUKernels()
 
 
+@contextlib.contextmanager
+def _probe_recompute():
+    """The recomputed regions (hymo_recipes/model/recompute.py) as the probe sees them: the
+    checkpoint's own storage is invisible to ``saved_tensors_hooks``, so within this context a
+    region runs without autograd and one forward-only node saves what the checkpoint keeps (its
+    tensor inputs and the outputs of the matmuls inside)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hymo_recipes.model import recompute
+
+    class Kept(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, *kept):
+            ctx.save_for_backward(*kept)
+            return out.clone()
+
+        @staticmethod
+        def backward(ctx, dout):
+            raise NotImplementedError("the config check's memory probe has no backward")
+
+    def probe_checkpoint(fn, *args, **kwargs):
+        kept = [a for a in args if isinstance(a, torch.Tensor)]
+
+        class Matmuls(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, a=(), kw=None):
+                out = func(*a, **(kw or {}))
+                if func in recompute.KEPT_OPS:
+                    kept.append(out)
+                return out
+
+        with torch.no_grad(), Matmuls():
+            out = fn(*args)
+        return Kept.apply(out, *kept)
+
+    real = recompute.checkpoint
+    recompute.checkpoint = probe_checkpoint
+    try:
+        yield
+    finally:
+        recompute.checkpoint = real
+
+
 def _probe_copy(module, dtype, memo=None):
     """A copy of a meta module with its parameters (not buffers) in ``dtype``, as FSDP's mixed
     precision gathers them; routed experts as they run on the GPU (``_probe_experts``)."""
@@ -133,11 +177,12 @@ def _probe_copy(module, dtype, memo=None):
     return m
 
 
-def _probe_experts(self, x, rows, num_tokens_per_expert):
+def _probe_experts(self, x, rows, num_tokens_per_expert, capacity=None):
     """GroupedExperts.forward on meta tensors as it runs on a GPU: torch._grouped_mm for bf16
     (its shapes are fixed by the token and expert counts), else the per-expert loop, here over an
     even split of the rows: the loop's saved tensors hold each expert's rows, so their bytes are
-    the same for every split (the real one needs the routing's data)."""
+    the same for every split (the real one needs the routing's data). Nothing dropped: the
+    capacity is ignored, which counts the most the experts can keep."""
     import torch
 
     from hymo_recipes.model.grouped_mm import grouped_swiglu
@@ -148,8 +193,8 @@ def _probe_experts(self, x, rows, num_tokens_per_expert):
         return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert)
     E, M = self.num_experts, rows.shape[0]
     even = torch.tensor([M // E + (e < M % E) for e in range(E)])
-    out = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), even).to(x.dtype)
-    return out, torch.arange(M, device=rows.device)
+    out, at = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), even)
+    return out.to(x.dtype), at
 
 
 def _block_kind(block) -> str:
@@ -181,7 +226,7 @@ def activation_bytes(model, config) -> dict:
     base = _storage_keys(model)
     rope = model.rope_cache.to("meta")
     kinds, order = {}, []
-    with _gpu_kernels():
+    with _gpu_kernels(), _probe_recompute():
         for block in model.layers.values():
             kind = _block_kind(block)
             order.append(kind)

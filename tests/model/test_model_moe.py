@@ -223,7 +223,8 @@ def _grouped_and_loop_grads(counts, rows, x):
             out, at = grouped_swiglu(w[0], w[1], w[2], xg, rows, n)
             out = out[at]
         else:
-            out = GroupedExperts._loop(xg[rows], w[0], w[1], w[2], n)
+            out, at = GroupedExperts._loop(xg[rows], w[0], w[1], w[2], n)
+            out = out[at]
         (out.float() * cot.float()).sum().backward()
         results.append((out.detach(), xg.grad, *(t.grad.clone() for t in w)))
         for t in w:
@@ -251,3 +252,71 @@ def test_grouped_experts_gather_their_rows_once_and_match_the_loop(counts):
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-2)
     assert grads[0][rows.unique()].abs().sum() > 0
+
+
+@pytest.mark.parametrize("capacity", [3, 8, 100])
+def test_the_layout_holds_only_the_assignments_the_capacity_keeps(capacity):
+    """padded_indices with a capacity: the first ``capacity`` rows of each expert's group get a
+    place (at inverts the layout on them), the rest get at = -1 and no row, so the grouped GEMMs
+    never compute a dropped assignment."""
+    from hymo_recipes.model.grouped_mm import ALIGN, padded_indices
+
+    counts = torch.tensor([5, 0, 17, 9])
+    M = int(counts.sum())
+    index, sizes, at = padded_indices(counts, M, capacity)
+    kept = counts.clamp(max=capacity)
+    assert int((index >= 0).sum()) == int(kept.sum())
+    assert torch.equal(sizes, (kept.clamp_min(ALIGN) + ALIGN - 1) // ALIGN * ALIGN)
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(M) - start.repeat_interleave(counts)
+    assert torch.equal(at >= 0, rank < capacity)
+    assert torch.equal(index[at[at >= 0]], torch.arange(M)[at >= 0])
+
+
+def test_grouped_and_loop_experts_skip_the_dropped_rows_alike():
+    """Both expert paths, given a capacity, compute only the kept rows (the loop's output has
+    one row per kept assignment) and mark the dropped ones at = -1; the kept rows' outputs and
+    every gradient agree."""
+    from hymo_recipes.model.grouped_mm import grouped_swiglu
+
+    torch.manual_seed(0)
+    counts, capacity = torch.tensor([6, 1, 13, 4]), 5
+    M = int(counts.sum())
+    x = torch.randn(20, 16).bfloat16()
+    rows = torch.randint(0, 20, (M,))
+    w = [(torch.randn(4, 24, 16) * 0.2).bfloat16().requires_grad_(), (torch.randn(4, 16, 24) * 0.2).bfloat16()
+         .requires_grad_(), (torch.randn(4, 24, 16) * 0.2).bfloat16().requires_grad_()]
+    cot = torch.randn(M, 16)
+    results = []
+    for grouped in (True, False):
+        xg = x.clone().requires_grad_()
+        if grouped:
+            out, at = grouped_swiglu(w[0], w[1], w[2], xg, rows, counts, capacity)
+        else:
+            out, at = GroupedExperts._loop(xg[rows], w[0], w[1], w[2], counts, capacity)
+            assert out.shape[0] == int(counts.clamp(max=capacity).sum())
+        y = torch.where(at[:, None] >= 0, out[at.clamp_min(0)], 0)
+        (y.float() * cot).sum().backward()
+        results.append((at >= 0, y.detach(), xg.grad, *(t.grad.clone() for t in w)))
+        for t in w:
+            t.grad = None
+    (kept, *got), (ref_kept, *want) = results
+    assert torch.equal(kept, ref_kept) and int(kept.sum()) == int(counts.clamp(max=capacity).sum())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=2e-2)
+
+
+def test_gradients_with_drops_match_the_token_by_token_reference(tiny_args):
+    """With capacity biting, the MoE's input gradient is the reference's (a dropped assignment
+    sends nothing back, its expert never ran on it)."""
+    moe = make_moe(tiny_args, moe_capacity_factor=0.5)
+    moe.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.1, 0.0]))
+    x = torch.randn(2, 11, 64)
+    cot = torch.randn(2, 11, 64)
+    xa = x.clone().requires_grad_()
+    (moe(xa) * cot).sum().backward()
+    assert moe.dropped_tokens.sum() > 0
+    xb = x.clone().requires_grad_()
+    ref, _, _ = reference_moe(moe, xb, moe.capacity(22))
+    (ref * cot).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)

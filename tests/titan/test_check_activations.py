@@ -33,9 +33,11 @@ def _meta_model(flavor="debugmodel", **changes):
 def test_the_debug_estimate_matches_a_real_cpu_forward_of_the_whole_model():
     """The printed estimate equals the bytes of the distinct storages a real forward + loss of
     the debug model saves on the CPU (counted by data_ptr, every block run, real routing), under
-    the same GPU-kernel stand-ins for SDPA and RMSNorm."""
+    the same GPU-kernel stand-ins for SDPA and RMSNorm, and the same stand-in for the recomputed
+    regions (their checkpoint's storage is invisible to the hooks; that it keeps only the inputs
+    and the matmuls' outputs is tested in tests/model/test_recompute.py)."""
     from hymo_recipes.model import HymoModel, hymo_flavors
-    from hymo_recipes.titan.check import _gpu_kernels, _size, activation_bytes, memory_lines
+    from hymo_recipes.titan.check import _gpu_kernels, _probe_recompute, _size, activation_bytes, memory_lines
     from hymo_recipes.titan.loss import head_ce_sums
 
     torch.manual_seed(0)
@@ -53,7 +55,7 @@ def test_the_debug_estimate_matches_a_real_cpu_forward_of_the_whole_model():
         saved.setdefault(s.data_ptr(), (s.nbytes(), t))
         return t
 
-    with _gpu_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _gpu_kernels(), _probe_recompute(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         head_ce_sums(*model(tokens), tokens)
     real = sum(n for ptr, (n, _) in saved.items() if ptr not in fixed)
 
