@@ -50,12 +50,13 @@ def padded_indices(num_tokens_per_expert: torch.Tensor, num_rows: int, capacity:
 
 
 def grouped_swiglu(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
-                   num_tokens_per_expert: torch.Tensor, capacity: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_tokens_per_expert: torch.Tensor, capacity: int | None = None,
+                   recompute_products: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts on the rows ``rows`` [M] of x [N, dim] (sorted by expert) -> (out [L, dim] in
     x's dtype, at [M]): out[at[s]] is the output of x[rows[s]] through its expert, and at[s] = -1
     for an assignment past its expert's ``capacity`` (dropped, never computed). bf16 matmuls
-    (weights [E, out, in]).
+    (weights [E, out, in]); ``recompute_products``: the SwiGLU product recomputed in the
+    backward (recompute.py).
 
     The padded layout is gathered from x in one copy and the outputs stay in it (the caller
     reads them through ``at``). The padding rows are zeros, selected inside the same gather: the
@@ -66,7 +67,8 @@ def grouped_swiglu(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torc
     xp = torch.where(real[:, None], x[rows[index.clamp_min(0)]], 0).bfloat16()
     offsets = torch.cumsum(sizes, dim=0, dtype=torch.int32)
     # the product recomputed in the backward, the projections kept (recompute.py)
-    out = keep_matmuls(_grouped, xp, w1.bfloat16(), w2.bfloat16(), w3.bfloat16(), offsets)
+    out = keep_matmuls(_grouped, xp, w1.bfloat16(), w2.bfloat16(), w3.bfloat16(), offsets,
+                       enabled=recompute_products)
     return out.type_as(x), at
 
 

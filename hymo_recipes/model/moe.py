@@ -22,14 +22,14 @@ from torch import nn
 from .args import HymoModelArgs
 from .grouped_mm import grouped_swiglu
 from .init import trunc_normal_
-from .recompute import keep_matmuls
+from .recompute import ProductRecompute, keep_matmuls
 
 
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
-class FeedForward(nn.Module):
+class FeedForward(ProductRecompute, nn.Module):
     """SwiGLU: w2(SiLU(w1 x) ⊙ w3 x). Shared experts and the optional GDN-block FFN."""
 
     def __init__(self, dim: int, hidden_dim: int):
@@ -40,7 +40,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the product recomputed in the backward, the projections kept (recompute.py)
-        return keep_matmuls(_swiglu, x, self.w1.weight, self.w2.weight, self.w3.weight)
+        return keep_matmuls(_swiglu, x, self.w1.weight, self.w2.weight, self.w3.weight,
+                            enabled=self.recompute_products)
 
     @torch.no_grad()
     def init_weights(self, init_std: float, out_std: float) -> None:
@@ -70,7 +71,7 @@ class Router(nn.Module):
         trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(ProductRecompute, nn.Module):
     """n_experts SwiGLUs stored as 3-D weights [E, out, in].
 
     Args:
@@ -101,7 +102,8 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = self.w1, self.w2, self.w3
         dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
         if self.use_grouped_mm and x.is_cuda and dtype == torch.bfloat16:
-            return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert, capacity)
+            return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert, capacity,
+                                  recompute_products=self.recompute_products)
         out, at = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert,
                              capacity)
         return out.to(x.dtype), at
@@ -115,7 +117,8 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _loop(x, w1, w2, w3, num_tokens_per_expert, capacity=None):
-        """(out [M, dim], at [M]) with the rows past ``capacity`` in each group skipped (at -1)."""
+        """(out [K, dim], at [M]): out holds the K computed rows in order; the rows past
+        ``capacity`` in each group are skipped (at -1)."""
         # one host sync for the split sizes; each expert is then three dense matmuls
         outs, ats, start = [], [], 0
         for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):

@@ -129,7 +129,7 @@ def _probe_recompute():
         @staticmethod
         def forward(ctx, out, *kept):
             ctx.save_for_backward(*kept)
-            return out.clone()
+            return out.view_as(out)  # the kept storage, as the checkpoint's cache shares it
 
         @staticmethod
         def backward(ctx, dout):
@@ -190,7 +190,8 @@ def _probe_experts(self, x, rows, num_tokens_per_expert, capacity=None):
     w1, w2, w3 = self.w1, self.w2, self.w3
     dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
     if self.use_grouped_mm and dtype == torch.bfloat16:
-        return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert)
+        return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert,
+                              recompute_products=self.recompute_products)
     E, M = self.num_experts, rows.shape[0]
     even = torch.tensor([M // E + (e < M % E) for e in range(E)])
     out, at = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), even)
@@ -218,6 +219,7 @@ def activation_bytes(model, config) -> dict:
     checkpointing, an upper bound (it keeps the saved ops' outputs and recomputes the rest)."""
     import torch
 
+    from hymo_recipes.model.recompute import defer_to_outer_checkpoint
     from hymo_recipes.titan.loss import head_ce_sums
 
     t = config.training
@@ -225,15 +227,25 @@ def activation_bytes(model, config) -> dict:
     B, T, D = t.local_batch_size, t.seq_len, model.model_args.dim
     base = _storage_keys(model)
     rope = model.rope_cache.to("meta")
+    ac = config.activation_checkpoint
+    mode, option = ac.mode, str(getattr(ac, "selective_ac_option", ""))
+    per_layer = mode == "full" or (mode == "selective" and option.isdigit())
+    n = 1 if mode == "full" else int(option) if per_layer else 0
+    # the blocks TorchTitan's apply_ac wraps (per layer: every n-th counted from 1; per op: all),
+    # where keep_matmuls defers to the outer checkpoint (parallelize.py)
+    checkpointed = [mode != "none" and (not per_layer or not n or i % n == 0)
+                    for i in range(1, len(model.layers) + 1)]
     kinds, order = {}, []
     with _gpu_kernels(), _probe_recompute():
-        for block in model.layers.values():
-            kind = _block_kind(block)
+        for block, wrapped in zip(model.layers.values(), checkpointed):
+            kind = _block_kind(block) + (", checkpointed" if wrapped else "")
             order.append(kind)
             if kind in kinds:
                 kinds[kind][0] += 1
                 continue
             probe = _probe_copy(block, dtype)
+            if wrapped:
+                defer_to_outer_checkpoint(probe)
             x = torch.empty(B, T, D, device="meta", dtype=dtype, requires_grad=True)
             saved = _saved_bytes(lambda: probe(x, rope), base | _storage_keys(probe))
             kinds[kind] = [1, saved]
@@ -246,11 +258,7 @@ def activation_bytes(model, config) -> dict:
             run_heads = lambda: head_ce_sums(*head(tokens), tokens)  # noqa: E731
         heads = _saved_bytes(run_heads, base | _storage_keys(head))
     x_bytes = B * T * D * dtype.itemsize
-    ac = config.activation_checkpoint
-    mode, option = ac.mode, str(getattr(ac, "selective_ac_option", ""))
-    if mode == "full" or (mode == "selective" and option.isdigit()):
-        n = 1 if mode == "full" else int(option)
-        checkpointed = [i % n == 0 if n else True for i in range(1, len(order) + 1)]
+    if per_layer:
         kept = sum(x_bytes if c else kinds[k][1] for k, c in zip(order, checkpointed))
         kept += max((kinds[k][1] for k, c in zip(order, checkpointed) if c), default=0)
         assumed = ("each block keeps its input, one block recomputed at a time" if mode == "full" else

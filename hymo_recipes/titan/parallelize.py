@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hymo_recipes.model.linear_ce import ce_chunk
+from hymo_recipes.model.recompute import defer_to_outer_checkpoint
 from hymo_recipes.nonfinite_probe import NonfiniteProbe
 from hymo_recipes.titan.api import TORCH_DTYPE_MAP, apply_ac, logger
 
@@ -83,8 +84,7 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                          f"with {model.model_args.gdn_backend!r}")
     compile_model = check_compile_backend(job_config, model.model_args.gdn_backend)
     if job_config.activation_checkpoint.mode != "none":
-        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
-                 op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
+        apply_checkpointing(model, job_config, compile_model)
     if compile_model:
         apply_compile(model, job_config.compile.backend)
     apply_loss_compile(model, job_config)
@@ -115,6 +115,19 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                 f"{', gradients reduced once per step' if sync_once else ''}), parameters in "
                 f"{training.mixed_precision_param}, reduction in {training.mixed_precision_reduce}")
     return model
+
+
+def apply_checkpointing(model: nn.Module, job_config, compile_model: bool) -> list[str]:
+    """TorchTitan's activation checkpointing of the blocks; inside each block it wraps, the
+    SwiGLUs' own product recompute (model/recompute.py) is turned off, since the outer checkpoint
+    recomputes them whole. Returns the names of the wrapped blocks."""
+    blocks = dict(model.layers.named_children())
+    apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
+             op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
+    wrapped = [name for name, layer in model.layers.named_children() if layer is not blocks[name]]
+    for name in wrapped:
+        defer_to_outer_checkpoint(model.layers[name])
+    return wrapped
 
 
 def apply_loss_compile(model: nn.Module, job_config) -> bool:

@@ -307,8 +307,8 @@ def test_grouped_and_loop_experts_skip_the_dropped_rows_alike():
 
 
 def test_gradients_with_drops_match_the_token_by_token_reference(tiny_args):
-    """With capacity biting, the MoE's input gradient is the reference's (a dropped assignment
-    sends nothing back, its expert never ran on it)."""
+    """With capacity biting, the MoE's gradients (input, router, routed and shared experts) are
+    the reference's: a dropped assignment sends nothing back, its expert never ran on it."""
     moe = make_moe(tiny_args, moe_capacity_factor=0.5)
     moe.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.1, 0.0]))
     x = torch.randn(2, 11, 64)
@@ -316,7 +316,12 @@ def test_gradients_with_drops_match_the_token_by_token_reference(tiny_args):
     xa = x.clone().requires_grad_()
     (moe(xa) * cot).sum().backward()
     assert moe.dropped_tokens.sum() > 0
+    got = {name: p.grad.clone() for name, p in moe.named_parameters()}
+    moe.zero_grad()
     xb = x.clone().requires_grad_()
     ref, _, _ = reference_moe(moe, xb, moe.capacity(22))
     (ref * cot).sum().backward()
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)
+    assert {"router.gate.weight", "experts.w1", "shared_experts.w2.weight"} <= got.keys()
+    for name, p in moe.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-4, msg=name)

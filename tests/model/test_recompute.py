@@ -1,5 +1,6 @@
 """The SwiGLU's product recomputed in the backward (hymo_recipes/model/recompute.py): the same
-values and gradients as plain autograd, the matmuls not rerun, the elementwise ops rerun."""
+values and gradients as plain autograd, the matmuls not rerun, the elementwise ops rerun; off
+inside a block that an outer activation checkpoint recomputes whole."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_the_shared_experts_and_the_grouped_experts_use_it(monkeypatch):
 
     calls = []
 
-    def counting(fn, *args):
+    def counting(fn, *args, enabled=True):
         calls.append(fn.__name__)
         return fn(*args)
 
@@ -98,3 +99,52 @@ def test_the_shared_experts_and_the_grouped_experts_use_it(monkeypatch):
     x = torch.randn(5, D)
     grouped_mm.grouped_swiglu(w1, w2, w3, x, torch.tensor([0, 2, 1, 3]), torch.tensor([2, 2]))
     assert len(calls) == 2
+
+
+def _live(shape) -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == shape)
+
+
+def _kept_after_forward(fn, x, hidden: int, outer: bool) -> int:
+    """How many [rows, hidden] tensors stay alive between the forward of fn(x) and its backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    y = checkpoint(fn, x, use_reentrant=False) if outer else fn(x)
+    n = _live((x.shape[0], hidden))
+    y.sum().backward()
+    return n
+
+
+def test_it_keeps_the_two_projections_and_defers_to_an_outer_checkpoint():
+    """Plain autograd keeps four hidden-size tensors of a SwiGLU (w1 x, its SiLU, w3 x, the
+    product); keep_matmuls two (the projections). An outer checkpoint drops all of them, unless
+    keep_matmuls inside it still keeps its two: defer_to_outer_checkpoint turns it off there, and
+    the gradients stay the same."""
+    from hymo_recipes.model.moe import FeedForward, _swiglu
+    from hymo_recipes.model.recompute import defer_to_outer_checkpoint
+
+    torch.manual_seed(0)
+    H = 1013  # a hidden size no other live tensor has
+    ff = FeedForward(8, H)
+    x = torch.randn(37, 8, requires_grad=True)
+    params = (x, *ff.parameters())
+
+    def run(fn, outer):
+        for p in params:
+            p.grad = None
+        kept = _kept_after_forward(fn, x, H, outer)
+        return kept, [p.grad for p in params]
+
+    plain = lambda t: _swiglu(t, ff.w1.weight, ff.w2.weight, ff.w3.weight)  # noqa: E731
+    kept_plain, grads = run(plain, outer=False)
+    assert kept_plain == 4
+    assert run(ff, outer=False)[0] == 2
+    assert run(ff, outer=True)[0] == 2  # what nesting the two would keep
+    assert defer_to_outer_checkpoint(ff) == 1 and not ff.recompute_products
+    kept, deferred = run(ff, outer=True)
+    assert kept == 0
+    for g, ref in zip(deferred, grads):
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)

@@ -34,8 +34,8 @@ def test_the_debug_estimate_matches_a_real_cpu_forward_of_the_whole_model():
     """The printed estimate equals the bytes of the distinct storages a real forward + loss of
     the debug model saves on the CPU (counted by data_ptr, every block run, real routing), under
     the same GPU-kernel stand-ins for SDPA and RMSNorm, and the same stand-in for the recomputed
-    regions (their checkpoint's storage is invisible to the hooks; that it keeps only the inputs
-    and the matmuls' outputs is tested in tests/model/test_recompute.py)."""
+    regions in both (their checkpoint's storage is invisible to the hooks; what they keep is
+    tested in tests/model/test_recompute.py)."""
     from hymo_recipes.model import HymoModel, hymo_flavors
     from hymo_recipes.titan.check import _gpu_kernels, _probe_recompute, _size, activation_bytes, memory_lines
     from hymo_recipes.titan.loss import head_ce_sums
@@ -86,17 +86,31 @@ def test_the_estimate_grows_linearly_with_batch_and_sequence_length():
 
 
 def test_activation_checkpointing_keeps_the_block_inputs_and_one_recompute():
+    """A checkpointed block is probed as parallelize.py leaves it: its SwiGLUs without their own
+    product recompute (the outer checkpoint recomputes them whole), so its recompute keeps what
+    plain autograd keeps of a SwiGLU (four [tokens, hidden] tensors) instead of what the region
+    keeps (its two projections and its output, [tokens, dim]); here the shared experts, in fp32
+    (the routed experts' CPU loop has no such region)."""
     from hymo_recipes.titan.check import activation_bytes
 
-    model = _meta_model()
-    none, full = activation_bytes(model, _config()), activation_bytes(model, _config(mode="full"))
+    model = _meta_model(moe_inter_dim=384)  # unlike dim (256), so the two sizes are told apart
+    a = model.model_args
+    config = _config()
+    B, T = config.training.local_batch_size, config.training.seq_len
+    none, full = activation_bytes(model, config), activation_bytes(model, _config(mode="full"))
     every2 = activation_bytes(model, _config(mode="selective", option="2"))
     op = activation_bytes(model, _config(mode="selective", option="op"))
     (gdn_n, gdn), (mla_n, mla) = none["blocks"]["GDN block"], none["blocks"]["MLA+MoE block"]
-    assert full["kept"] == 4 * none["input"] + max(gdn, mla) + none["heads"] < none["kept"]
+    assert full["blocks"].keys() == {"GDN block, checkpointed", "MLA+MoE block, checkpointed"}
+    gdn_c, mla_c = full["blocks"]["GDN block, checkpointed"][1], full["blocks"]["MLA+MoE block, checkpointed"][1]
+    assert gdn_c == gdn  # no SwiGLU in the debug model's GDN blocks
+    assert mla_c - mla == (2 * a.moe_inter_dim * a.moe_num_shared_experts - a.dim) * B * T * 4
+    assert full["kept"] == 4 * none["input"] + max(gdn_c, mla_c) + none["heads"] < none["kept"]
     # blocks 2 and 4 (TorchTitan counts from 1) are checkpointed: GDN layer 1 and MLA layer 3
-    assert every2["kept"] == 2 * gdn + 2 * none["input"] + max(gdn, mla) + none["heads"]
-    assert full["kept"] < every2["kept"] < none["kept"] == op["kept"]
+    assert every2["kept"] == 2 * gdn + 2 * none["input"] + max(gdn_c, mla_c) + none["heads"]
+    # per-op selective: every block wrapped, counted as keeping all it saves (an upper bound)
+    assert op["kept"] == 3 * gdn_c + mla_c + none["heads"]
+    assert full["kept"] < every2["kept"] < none["kept"] < op["kept"]
 
 
 def test_the_fused_mixer_keeping_its_outputs_costs_four_tensors_per_gdn_block():

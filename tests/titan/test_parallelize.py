@@ -97,3 +97,31 @@ def test_fsdp_plan_refuses_an_unknown_unit():
 
     with pytest.raises(ValueError, match="fsdp_units = 'layer': one of auto, block, model"):
         fsdp_plan(SimpleNamespace(fsdp_units="layer", fsdp_sync_once_per_step=False), 1)
+
+
+@pytest.mark.parametrize("mode, option, wrapped", [
+    ("full", "2", ["0", "1", "2", "3"]),
+    ("selective", "2", ["1", "3"]),  # TorchTitan counts blocks from 1: every second one
+    ("selective", "op", ["0", "1", "2", "3"]),
+])
+def test_checkpointed_blocks_leave_the_swiglu_recompute_to_the_outer_checkpoint(mode, option, wrapped):
+    """In a block TorchTitan's apply_ac wraps, keep_matmuls would keep the SwiGLU projections the
+    outer checkpoint drops (tests/model/test_recompute.py): apply_checkpointing turns it off
+    there and leaves it on in the blocks it does not wrap."""
+    import copy
+
+    from torchtitan.config.job_config import ActivationCheckpoint
+
+    from hymo_recipes.model import HymoModel, hymo_flavors
+    from hymo_recipes.model.recompute import ProductRecompute
+    from hymo_recipes.titan.parallelize import apply_checkpointing
+
+    args = copy.deepcopy(hymo_flavors["debugmodel"])
+    args.gdn_ffn_dim = 32  # a FeedForward in the GDN blocks too
+    model = HymoModel(args)
+    job = SimpleNamespace(activation_checkpoint=ActivationCheckpoint(mode=mode, selective_ac_option=option),
+                          job=SimpleNamespace(dump_folder="/tmp"))
+    assert apply_checkpointing(model, job, compile_model=False) == wrapped
+    for name, layer in model.layers.named_children():
+        flags = {m.recompute_products for m in layer.modules() if isinstance(m, ProductRecompute)}
+        assert flags == {name not in wrapped}, (name, flags)
