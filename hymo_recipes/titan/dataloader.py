@@ -326,6 +326,9 @@ class HymoDataloader(ParallelAwareDataloader):
     def __init__(self, dataset, dp_rank: int, dp_world_size: int, **kwargs):
         super().__init__(dataset, dp_rank, dp_world_size, **kwargs)
         self.sequences_consumed = 0  # by this rank since the start of the run
+        # live_state() after the last batch training took, when batches are read ahead
+        # (hymo_recipes/titan/prefetch.py); None: the live position is the consumed one
+        self.consumed: tuple | None = None
 
     def __iter__(self):
         for batch in super().__iter__():
@@ -333,9 +336,14 @@ class HymoDataloader(ParallelAwareDataloader):
             yield batch
 
     def local_state(self) -> tuple:
-        """(DP rank, sequences consumed, TorchTitan's state of this rank, documents): the last
-        is (documents in this rank's shard, shard-relative ranges read in the epoch in
-        progress) for a map-style dataset, else None."""
+        """This rank's entry of the checkpoint: the position after the last batch training took
+        (``consumed``, when batches are read ahead), else ``live_state()``."""
+        return self.consumed if self.consumed is not None else self.live_state()
+
+    def live_state(self) -> tuple:
+        """(DP rank, sequences read, TorchTitan's state of this rank, documents) after the last
+        batch read: the last is (documents in this rank's shard, shard-relative ranges read in
+        the epoch in progress) for a map-style dataset, else None."""
         docs = None
         # With worker processes the dataset here is not the copy that reads (each worker has
         # its own), so its position says nothing: such a checkpoint keeps the sequence-count
@@ -357,6 +365,7 @@ class HymoDataloader(ParallelAwareDataloader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        self.consumed = None
         if _KEY not in state_dict:
             raise ValueError(
                 f"dataloader checkpoint has keys {sorted(state_dict)}, not HyMo's {_KEY!r} "

@@ -92,6 +92,12 @@ class Hymo:
     in fp32) and the gathered parameters for the whole step on every rank. The same sums, added
     in another order over the ranks (bitwise the same on one rank); no effect without
     accumulation. On by itself with fsdp_units = "auto" on one rank."""
+    data_prefetch: bool = True
+    """Read and prepare each step's training batches (cut from the token stream, collated, their
+    documents found, pinned for the copy to the GPU) on a background thread while the step
+    before computes, instead of on the training thread at the start of each step, where the GPU
+    waits for it (hymo_recipes/titan/prefetch.py). The same batches in the same order; a
+    checkpoint saves the position of the batches trained on, not of those read ahead."""
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:
     such a run stops before anything is built, naming the file (a local dataset), or when the

@@ -7,9 +7,12 @@ then idles while the host catches up (the forward of a model of many small block
 host-bound). ``HymoTrainer.train_step`` is that method with the copies made from pinned memory
 with ``non_blocking=True``, in stream order, so the host runs ahead; everything else (token
 count, gradient accumulation, clipping, the optimizer and scheduler steps, the logged metrics) is
-TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as before. With
-``[hymo] document_masking`` each microbatch's document boundaries are added to its inputs on
-the host, before the copy (hymo_recipes/titan/documents.py). With ``[hymo]
+TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as before. The
+batches arrive prepared (``batch_generator``): with ``[hymo] document_masking`` each
+microbatch's document boundaries added on the host, before the copy
+(hymo_recipes/titan/documents.py), and on the GPU pinned; with ``[hymo] data_prefetch`` (on by
+default) read and prepared on a thread one optimizer step ahead, so the GPU does not wait for the
+host to read a step's microbatches (hymo_recipes/titan/prefetch.py). With ``[hymo]
 fsdp_sync_once_per_step`` (or ``fsdp_units = "auto"`` on one rank: parallelize.fsdp_plan) FSDP
 reduce-scatters and reshards after a step's last microbatch only.
 With the model's ``fused_loss_chunk`` > 0 the labels go to the model too, which then returns the
@@ -25,7 +28,9 @@ happened and what to do.
 
 from __future__ import annotations
 
-from typing import Iterator
+import functools
+import time
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,8 +38,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from hymo_recipes.titan import checkpoints, documents
 from hymo_recipes.titan.api import IGNORE_INDEX, DataloaderExhaustedError, Trainer, dist_utils, logger
-from hymo_recipes.titan.dataloader import DataRanOut, HymoTextDataset
+from hymo_recipes.titan.dataloader import DataRanOut, HymoDataloader, HymoTextDataset
 from hymo_recipes.titan.parallelize import data_parallel_ranks, fsdp_plan
+from hymo_recipes.titan.prefetch import Prefetcher
 
 
 def data_can_run_out(dataloader) -> bool:
@@ -55,9 +61,52 @@ class HymoTrainer(Trainer):
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    _split_documents = False  # not yet looked up
     _start_step: int | None = None
     _data_can_run_out = True
+
+    def _prepare_batch(self, split, batch):
+        """A batch as the train step takes it: its documents' boundaries added (``split``, None
+        without document masking) and, for the GPU, its tensors pinned."""
+        input_dict, labels = batch
+        if split is not None:
+            input_dict.update(split(input_dict["input"]))
+        if self.device.type == "cuda":
+            input_dict = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            labels = labels.pin_memory()
+        return input_dict, labels
+
+    def batch_generator(self, data_iterable: Iterable) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """TorchTitan 0.2.2's batch_generator (tokens seen, data-loading time, the end of the data
+        as DataloaderExhaustedError) yielding prepared batches (``_prepare_batch``). With
+        ``[hymo] data_prefetch`` and HyMo's dataloader they are read and prepared on a thread one
+        optimizer step ahead (hymo_recipes/titan/prefetch.py), the checkpoint keeping the
+        position of the batches taken here; the data-loading time is then the wait for a batch."""
+        split = documents.splitter(self.job_config, self.tokenizer)
+        prepare = functools.partial(self._prepare_batch, split)
+        hymo = getattr(self.job_config, "hymo", None)
+        loader = data_iterable if isinstance(data_iterable, HymoDataloader) else None
+        if loader is not None and getattr(hymo, "data_prefetch", True):
+            depth = max(2, self.gradient_accumulation_steps + 1)
+            batches = Prefetcher(loader, prepare, loader.live_state, depth)
+        else:
+            batches = ((prepare(batch), None) for batch in data_iterable)
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    (input_dict, labels), position = next(batches)
+                except StopIteration as ex:
+                    # data that ends within a step's microbatches: the step is not trained
+                    raise DataloaderExhaustedError() from ex
+                if position is not None:
+                    loader.consumed = position
+                ntokens = labels.numel()
+                self.ntokens_seen += ntokens
+                self.metrics_processor.ntokens_since_last_log += ntokens
+                self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
+                yield input_dict, labels
+        finally:
+            batches.close()
 
     def _sync_gradients(self, last: bool) -> None:
         """FSDP's reduce-scatter and reshard after this microbatch's backward only if ``last``."""
@@ -100,9 +149,8 @@ class HymoTrainer(Trainer):
         raise DataloaderExhaustedError(note)
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
-        # TorchTitan 0.2.2's Trainer.train_step but for _to_device and the document boundaries
-        if self._split_documents is False:
-            self._split_documents = documents.splitter(self.job_config, self.tokenizer)
+        # TorchTitan 0.2.2's Trainer.train_step but for _to_device (the batches come prepared:
+        # batch_generator)
         if self._start_step is None:
             self._start_step = self.step  # the first step this process trains (a resume's loaded step + 1)
             self._data_can_run_out = data_can_run_out(self.dataloader)
@@ -121,8 +169,6 @@ class HymoTrainer(Trainer):
                     raise  # a sized dataset the preflight passed: not a case the ranks agree on
                 ran_out = True
                 break
-            if self._split_documents is not None:
-                input_dict.update(self._split_documents(input_dict["input"]))
             local_valid_tokens += (labels != IGNORE_INDEX).sum()
             microbatches.append((input_dict, labels))
         if self._data_can_run_out and (rank := self._rank_where(ran_out)) is not None:

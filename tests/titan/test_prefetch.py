@@ -1,0 +1,175 @@
+"""Batches read ahead on a thread (hymo_recipes/titan/prefetch.py): the same batches in order, an
+error where it happened, a checkpoint at the position of the batches taken (not of those read
+ahead), nothing left running after close; the trainer's batch generator the same with and
+without it."""
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shims first)
+from hymo_recipes.titan.api import DataloaderExhaustedError, JobConfig
+from hymo_recipes.titan.datasets import build_tokenizer
+from hymo_recipes.titan.dataloader import build_hymo_dataloader
+from hymo_recipes.titan.prefetch import Prefetcher
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ, BATCH = 64, 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not (REPO / "assets/tokenizer/tokenizer.json").exists():
+        pytest.fail("run `python -m hymo_recipes.data.prepare` first")
+    return build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(REPO / "assets/tokenizer"))))
+
+
+def loader(tokenizer, batch=BATCH):
+    config = JobConfig()
+    config.training.dataset = "brown"
+    config.training.dataset_path = str(REPO / "data/brown")
+    config.training.seq_len, config.training.local_batch_size = SEQ, batch
+    return build_hymo_dataloader(1, 0, tokenizer, config)
+
+
+def _wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_items_in_order_prepared_with_the_position_after_each():
+    read = []
+
+    def source():
+        for i in range(20):
+            read.append(i)
+            yield i
+
+    with Prefetcher(source(), prepare=lambda i: i * 10, snapshot=lambda: len(read), depth=3) as p:
+        got = list(p)
+    assert got == [(10 * i, i + 1) for i in range(20)]
+
+
+def test_it_reads_ahead_up_to_its_depth_and_no_further():
+    read = []
+
+    def source():
+        for i in range(100):
+            read.append(i)
+            yield i
+
+    with Prefetcher(source(), prepare=lambda i: i, snapshot=lambda: len(read), depth=4) as p:
+        _wait_until(lambda: len(read) >= 5)  # 4 queued + 1 in hand waiting for room
+        time.sleep(0.05)
+        assert len(read) == 5
+        assert next(p) == (0, 1)  # the position of the batch taken, not of those read ahead
+        _wait_until(lambda: len(read) >= 6)
+
+
+def test_an_error_is_raised_where_it_happened_and_ends_the_iteration():
+    closed = threading.Event()
+
+    def source():
+        try:
+            yield 0
+            yield 1
+            raise ValueError("bad document")
+        finally:
+            closed.set()
+
+    p = Prefetcher(source(), prepare=lambda i: i, snapshot=lambda: None, depth=8)
+    assert [next(p)[0], next(p)[0]] == [0, 1]
+    with pytest.raises(ValueError, match="bad document"):
+        next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+    p.close()
+    assert closed.is_set()
+
+
+def test_close_stops_a_thread_waiting_for_room_and_closes_the_source():
+    closed = threading.Event()
+
+    def source():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            closed.set()
+
+    p = Prefetcher(source(), prepare=lambda i: i, snapshot=lambda: None, depth=2)
+    next(p)
+    _wait_until(lambda: p._queue.full())
+    p.close()
+    assert closed.is_set() and not p._thread.is_alive()
+    with pytest.raises(StopIteration):
+        next(p)
+
+
+def test_a_checkpoint_keeps_the_position_of_the_batches_taken(tokenizer):
+    """Three batches taken while the thread has read further: the saved position resumes at the
+    fourth batch of a plain read, exactly."""
+    plain = [b for _, b in zip(range(8), loader(tokenizer))]
+    dl = loader(tokenizer)
+    with Prefetcher(dl, prepare=lambda b: b, snapshot=dl.live_state, depth=4) as p:
+        for i in range(3):
+            (x, y), position = next(p)
+            assert torch.equal(x["input"], plain[i][0]["input"]) and torch.equal(y, plain[i][1])
+            dl.consumed = position
+        _wait_until(lambda: p._queue.full())
+        assert dl.live_state()[1] > dl.local_state()[1] == 3 * BATCH  # read ahead, three batches taken
+        saved = dl.state_dict()
+    resumed = loader(tokenizer)
+    resumed.load_state_dict(saved)
+    assert resumed.consumed is None
+    for i, (x, y) in zip(range(3, 8), resumed):
+        assert torch.equal(x["input"], plain[i][0]["input"]) and torch.equal(y, plain[i][1]), i
+
+
+def _trainer(tokenizer, prefetch: bool, accumulation: int = 2):
+    from hymo_recipes.titan.trainer import HymoTrainer
+
+    t = object.__new__(HymoTrainer)  # only what batch_generator reads
+    t.job_config = SimpleNamespace(hymo=SimpleNamespace(document_masking=True, data_prefetch=prefetch))
+    t.tokenizer, t.device, t.gradient_accumulation_steps, t.ntokens_seen = tokenizer, torch.device("cpu"), accumulation, 0
+    t.metrics_processor = SimpleNamespace(ntokens_since_last_log=0, data_loading_times=[])
+    return t
+
+
+def test_the_trainers_batches_are_the_same_with_and_without_prefetching(tokenizer):
+    """Each batch with its document boundaries, the token count and one loading time per batch,
+    alike either way; the data's end is DataloaderExhaustedError as in TorchTitan."""
+    def run(prefetch):
+        t, dl = _trainer(tokenizer, prefetch), loader(tokenizer)
+        gen = t.batch_generator(dl)
+        out = [next(gen) for _ in range(6)]
+        gen.close()
+        return t, dl, out
+
+    t_plain, dl_plain, plain = run(False)
+    t_pre, dl_pre, pre = run(True)
+    assert dl_plain.consumed is None and dl_pre.consumed is not None
+    assert dl_pre.local_state() == dl_plain.local_state()  # the position after the six batches taken
+    for (a, la), (b, lb) in zip(plain, pre):
+        assert a.keys() == b.keys() == {"input", "cu_seqlens", "positions"}
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+        assert torch.equal(la, lb)
+    for t in (t_plain, t_pre):
+        assert t.ntokens_seen == t.metrics_processor.ntokens_since_last_log == 6 * BATCH * SEQ
+        assert len(t.metrics_processor.data_loading_times) == 6
+
+    t = _trainer(tokenizer, True)
+    gen = t.batch_generator(iter([({"input": torch.ones(1, 4, dtype=torch.long)}, torch.ones(1, 4))]))
+    next(gen)  # not HyMo's dataloader: read on this thread
+    with pytest.raises(DataloaderExhaustedError):
+        next(gen)
+    assert not any(th.name == "hymo-batches" for th in threading.enumerate())
