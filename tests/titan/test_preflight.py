@@ -213,10 +213,11 @@ def test_document_masking_is_refused_for_a_model_other_than_hymo(tmp_path):
                       "--hymo.validation_document_masking", "on"])
 
 
-def test_the_train_benchs_peer_configs_pass_the_config_check(tmp_path):
+def test_the_train_benchs_peer_configs_pass_the_config_check(tmp_path, monkeypatch):
     """benchmarks/train_bench.py trains TorchTitan's own models through HyMo's trainer: their
     generated configs must pass the same check (document masking off: their forwards take no
     document boundaries)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # benchmarks/, also when run alone
     from benchmarks import train_bench
 
     peers = {p["model"] for p in train_bench.PRESETS.values() if "model" in p}
