@@ -97,7 +97,8 @@ class Hymo:
     documents found, pinned for the copy to the GPU) on a background thread while the step
     before computes, instead of on the training thread at the start of each step, where the GPU
     waits for it (hymo_recipes/titan/prefetch.py). The same batches in the same order; a
-    checkpoint saves the position of the batches trained on, not of those read ahead."""
+    checkpoint saves the position of the batches the train step took, not of those read ahead.
+    Applies to HyMo's dataloader (every run through HyMo's trainer builds it)."""
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:
     such a run stops before anything is built, naming the file (a local dataset), or when the

@@ -80,14 +80,17 @@ class HymoTrainer(Trainer):
         as DataloaderExhaustedError) yielding prepared batches (``_prepare_batch``). With
         ``[hymo] data_prefetch`` and HyMo's dataloader they are read and prepared on a thread one
         optimizer step ahead (hymo_recipes/titan/prefetch.py), the checkpoint keeping the
-        position of the batches taken here; the data-loading time is then the wait for a batch."""
+        position of the batches taken here; the data-loading time is then the wait for a
+        prepared batch (without it, the reading and preparing)."""
         split = documents.splitter(self.job_config, self.tokenizer)
         prepare = functools.partial(self._prepare_batch, split)
         hymo = getattr(self.job_config, "hymo", None)
         loader = data_iterable if isinstance(data_iterable, HymoDataloader) else None
         if loader is not None and getattr(hymo, "data_prefetch", True):
-            depth = max(2, self.gradient_accumulation_steps + 1)
-            batches = Prefetcher(loader, prepare, loader.live_state, depth)
+            # a step's microbatches ready, and the next one in hand
+            on_start = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
+            batches = Prefetcher(loader, prepare, loader.live_state, max(1, self.gradient_accumulation_steps),
+                                 on_start=on_start)
         else:
             batches = ((prepare(batch), None) for batch in data_iterable)
         try:

@@ -127,11 +127,11 @@ def test_a_checkpoint_keeps_the_position_of_the_batches_taken(tokenizer):
         _wait_until(lambda: p._queue.full())
         assert dl.live_state()[1] > dl.local_state()[1] == 3 * BATCH  # read ahead, three batches taken
         saved = dl.state_dict()
-    resumed = loader(tokenizer)
-    resumed.load_state_dict(saved)
-    assert resumed.consumed is None
-    for i, (x, y) in zip(range(3, 8), resumed):
-        assert torch.equal(x["input"], plain[i][0]["input"]) and torch.equal(y, plain[i][1]), i
+    for resumed in (loader(tokenizer), dl):  # a fresh loader, and the used one (its consumed position dropped)
+        resumed.load_state_dict(saved)
+        assert resumed.consumed is None
+        for i, (x, y) in zip(range(3, 8), resumed):
+            assert torch.equal(x["input"], plain[i][0]["input"]) and torch.equal(y, plain[i][1]), i
 
 
 def _trainer(tokenizer, prefetch: bool, accumulation: int = 2):
@@ -150,7 +150,10 @@ def test_the_trainers_batches_are_the_same_with_and_without_prefetching(tokenize
     def run(prefetch):
         t, dl = _trainer(tokenizer, prefetch), loader(tokenizer)
         gen = t.batch_generator(dl)
-        out = [next(gen) for _ in range(6)]
+        out = [next(gen) for _ in range(5)]
+        if prefetch:  # the thread reads on (depth 2 + one in hand) before the last batch is taken
+            _wait_until(lambda: dl.sequences_consumed == 8 * BATCH)
+        out.append(next(gen))
         gen.close()
         return t, dl, out
 
