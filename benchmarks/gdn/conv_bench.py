@@ -37,6 +37,7 @@ import torch
 if not torch.cuda.is_available():  # the kernels read it at import: the interpreter on a CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from benchmarks.gdn.bench import rel as rel_err  # noqa: E402  (relative L2 error, inf if not finite)
 from hymo_kernels.gdn import short_conv  # noqa: E402
 from hymo_kernels.gdn.mixer_torch import short_causal_conv  # noqa: E402
 
@@ -74,11 +75,6 @@ def timer(device: str, warmup_ms: int, rep_ms: int):
         return 1e3 * (time.perf_counter() - t0)
 
     return host
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def load_fla():

@@ -3,42 +3,23 @@ epoch continues on exactly the documents no rank has read (map-style datasets), 
 document positions, the documented fallback (continue where a run with the new degree would
 be)."""
 
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shim 1 first)
-from hymo_recipes.titan.api import JobConfig
-from hymo_recipes.titan.datasets import build_tokenizer
-from hymo_recipes.titan.dataloader import (
-    build_hymo_dataloader,
-    pack_states,
-    shard_bounds,
-    subtract_ranges,
-    take_ranges,
-)
+from _brown import REPO, brown_loader, brown_tokenizer
+from hymo_recipes.titan.dataloader import pack_states, shard_bounds, subtract_ranges, take_ranges
 
-REPO = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 64, 2
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not (REPO / "assets/tokenizer/tokenizer.json").exists():
-        pytest.fail("run `python -m hymo_recipes.data.prepare` first")
-    return build_tokenizer(SimpleNamespace(model=SimpleNamespace(
-        hf_assets_path=str(REPO / "assets/tokenizer"))))
+    return brown_tokenizer()
 
 
 def loader(tokenizer, rank, world, batch=BATCH, workers=0):
-    config = JobConfig()  # TorchTitan's defaults: [training.dataloader] num_workers = 0, ...
-    config.training.dataloader.num_workers = workers
-    config.training.dataset = "brown"
-    config.training.dataset_path = str(REPO / "data/brown")
-    config.training.seq_len, config.training.local_batch_size = SEQ, batch
-    return build_hymo_dataloader(world, rank, tokenizer, config)
+    return brown_loader(tokenizer, rank, world, SEQ, batch, workers)
 
 
 def take(dl, n):

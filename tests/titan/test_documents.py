@@ -6,37 +6,28 @@ and every parameter's gradient are those of the document run alone (fp32)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shim 1 first)
+from _brown import brown_loader, brown_tokenizer
 from hymo_recipes.model import HymoModel, hymo_flavors
 from hymo_recipes.titan import documents
-from hymo_recipes.titan.api import JobConfig
-from hymo_recipes.titan.dataloader import build_hymo_dataloader
-from hymo_recipes.titan.datasets import build_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 128, 3
 ON = SimpleNamespace(hymo=SimpleNamespace(document_masking=True))
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not (REPO / "assets/tokenizer/tokenizer.json").exists():
-        pytest.fail("run `python -m hymo_recipes.data.prepare` first")
-    return build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(REPO / "assets/tokenizer"))))
+    return brown_tokenizer()
 
 
 def batch_with_a_document_start(tokenizer):
     """The first training batch (B = 3 rows of 128) with a BOS inside a row, not at its start."""
-    config = JobConfig()
-    config.training.dataset, config.training.dataset_path = "brown", str(REPO / "data/brown")
-    config.training.seq_len, config.training.local_batch_size = SEQ, BATCH
-    for input_dict, _ in build_hymo_dataloader(1, 0, tokenizer, config):
+    for input_dict, _ in brown_loader(tokenizer, 0, 1, SEQ, BATCH):
         if bool((input_dict["input"][:, 1:] == tokenizer.bos_id).any()):
             return input_dict
     pytest.fail("no batch of the Brown training split has a document start inside a row")

@@ -5,35 +5,33 @@ without it."""
 
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import hymo_recipes.titan  # noqa: F401  (registers the TrainSpec and the datasets; CPU shims first)
-from hymo_recipes.titan.api import DataloaderExhaustedError, JobConfig
-from hymo_recipes.titan.datasets import build_tokenizer
-from hymo_recipes.titan.dataloader import build_hymo_dataloader
+from _brown import brown_loader, brown_tokenizer
+from hymo_recipes.titan.api import DataloaderExhaustedError
 from hymo_recipes.titan.prefetch import Prefetcher
 
-REPO = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 64, 2
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not (REPO / "assets/tokenizer/tokenizer.json").exists():
-        pytest.fail("run `python -m hymo_recipes.data.prepare` first")
-    return build_tokenizer(SimpleNamespace(model=SimpleNamespace(hf_assets_path=str(REPO / "assets/tokenizer"))))
+    return brown_tokenizer()
 
 
-def loader(tokenizer, batch=BATCH):
-    config = JobConfig()
-    config.training.dataset = "brown"
-    config.training.dataset_path = str(REPO / "data/brown")
-    config.training.seq_len, config.training.local_batch_size = SEQ, batch
-    return build_hymo_dataloader(1, 0, tokenizer, config)
+def loader(tokenizer):
+    return brown_loader(tokenizer, 0, 1, SEQ, BATCH)
+
+
+def counting(n: int, read: list):
+    """0 .. n-1, each appended to ``read`` as it is read."""
+    for i in range(n):
+        read.append(i)
+        yield i
 
 
 def _wait_until(cond, timeout=10.0):
@@ -45,26 +43,14 @@ def _wait_until(cond, timeout=10.0):
 
 def test_items_in_order_prepared_with_the_position_after_each():
     read = []
-
-    def source():
-        for i in range(20):
-            read.append(i)
-            yield i
-
-    with Prefetcher(source(), prepare=lambda i: i * 10, snapshot=lambda: len(read), depth=3) as p:
+    with Prefetcher(counting(20, read), prepare=lambda i: i * 10, snapshot=lambda: len(read), depth=3) as p:
         got = list(p)
     assert got == [(10 * i, i + 1) for i in range(20)]
 
 
 def test_it_reads_ahead_up_to_its_depth_and_no_further():
     read = []
-
-    def source():
-        for i in range(100):
-            read.append(i)
-            yield i
-
-    with Prefetcher(source(), prepare=lambda i: i, snapshot=lambda: len(read), depth=4) as p:
+    with Prefetcher(counting(100, read), prepare=lambda i: i, snapshot=lambda: len(read), depth=4) as p:
         _wait_until(lambda: len(read) >= 5)  # 4 queued + 1 in hand waiting for room
         time.sleep(0.05)
         assert len(read) == 5
