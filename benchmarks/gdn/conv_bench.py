@@ -2,7 +2,8 @@
 flash-linear-attention's ``causal_conv1d`` and the memory floor, at the 750m training shape.
 
     python -m benchmarks.gdn.conv_bench                               # GPU: 32,768 packed tokens, 3 x 1280 channels
-    python -m benchmarks.gdn.conv_bench --bwd-rows 16,256,4 32,256,4  # backward row tiles to try
+    python -m benchmarks.gdn.conv_bench --bwd-rows 16,256,4,1 32,256,4  # backward row tiles to try
+    python -m benchmarks.gdn.conv_bench --fwd-rows 16,256,2,2 32,256,1  # forward row tiles to try
     python -m benchmarks.gdn.conv_bench --dry                          # CPU: Triton's interpreter, a tiny shape
 
 The input is what one 750m microbatch of 8 x 4,096 tokens hands the convs in training: three
@@ -12,8 +13,9 @@ median of ``triton.testing.do_bench``; the host clock in the dry mode):
 
 - ``ours, one launch``: hymo_kernels.gdn.short_conv's ``conv_silu_qkv_fwd`` / ``_bwd`` (the fused
   mixer's path, the three convs in one launch each way), and ``ours, three launches``;
-- ``ours, rows L,BC,warps``: the one-launch backward with each ``--bwd-rows`` tile (its outputs
-  checked bitwise against the shipped tile's, its dw to rounding);
+- ``ours, rows L,BC,warps``: the one-launch forward with each ``--fwd-rows`` tile and backward
+  with each ``--bwd-rows`` tile (outputs checked bitwise against the shipped tile's, dw to
+  rounding);
 - ``fla``: fla-core's ``causal_conv1d(x, w, activation="silu", cu_seqlens=...)`` three times
   (GPU only, when the package imports); its backward time is that of a forward with autograd
   recording plus the backward, less the plain forward's;
@@ -56,11 +58,14 @@ def document_lengths(T: int, lo: int = 500, hi: int = 6000, seed: int = 0) -> li
     return lengths
 
 
-def tile(spec: str) -> tuple[int, int, int]:
+def tile(spec: str) -> tuple[int, int, int, int]:
+    """ROWS,CHANNELS,WARPS[,AHEAD] (AHEAD: rows loaded ahead, 0-2, default 0)."""
     parts = spec.split(",")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a tile is ROWS,CHANNELS,WARPS (positive integers), got {spec!r}")
-    return tuple(int(p) for p in parts)
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts) or not all(int(p) > 0 for p in parts[:3]) \
+            or (len(parts) == 4 and int(parts[3]) > 2):
+        raise argparse.ArgumentTypeError(f"a tile is ROWS,CHANNELS,WARPS[,AHEAD] (positive integers, AHEAD 0-2), "
+                                         f"got {spec!r}")
+    return (*(int(p) for p in parts[:3]), int(parts[3]) if len(parts) == 4 else 0)
 
 
 def timer(device: str, warmup_ms: int, rep_ms: int):
@@ -77,6 +82,15 @@ def timer(device: str, warmup_ms: int, rep_ms: int):
     return host
 
 
+class Rows(list):
+    """(name, fwd ms, bwd ms) rows, each logged as it is measured (a call cut short still says
+    how far it got)."""
+
+    def append(self, row: tuple[str, float, float]) -> None:
+        log(f"{row[0]}: fwd {row[1]:.3f} ms, bwd {row[2]:.3f} ms ({time.strftime('%H:%M:%S')})")
+        super().append(row)
+
+
 def load_fla():
     try:
         from fla.modules.causal_conv1d import causal_conv1d
@@ -91,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32768, help="T of the packed row (default: 8 x 4096)")
     ap.add_argument("--channels", type=int, default=1280, help="C of each of q, k, v (750m: 40 heads x 32)")
     ap.add_argument("--no-documents", action="store_true", help="one causal row instead of packed documents")
-    ap.add_argument("--bwd-rows", type=tile, nargs="*", default=[(16, 256, 4), (32, 256, 4), (16, 512, 4),
-                                                                 (32, 128, 2), (64, 256, 8)],
-                    help="ROWS,CHANNELS,WARPS tiles of the one-launch backward to time")
+    ap.add_argument("--bwd-rows", type=tile, nargs="*", default=[(16, 256, 4, 1), (16, 256, 4, 2), (16, 256, 2, 2)],
+                    help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch backward to time")
+    ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 1), (16, 256, 2, 2)],
+                    help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s of the floor (default 4.3)")
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=100)
@@ -106,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry:
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--dry needs Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported)")
-        args.tokens, args.channels, args.bwd_rows = 96, 32, [(16, 32, 1)]
+        args.tokens, args.channels, args.bwd_rows, args.fwd_rows = 96, 32, [(16, 32, 1, 2)], [(16, 32, 1, 2)]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 is wrong
     T, C, W = args.tokens, args.channels, 4
     torch.manual_seed(0)
@@ -131,26 +146,34 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     bench = timer(device, args.warmup_ms, args.rep_ms)
-    shipped = short_conv.BWD_ROWS
-    rows: list[tuple[str, float, float]] = []
+    shipped, shipped_fwd = short_conv.BWD_ROWS, short_conv.FWD_ROWS
+    rows = Rows()
     rows.append(("ours, one launch", bench(lambda: short_conv.conv_silu_qkv_fwd(*xs, *ws, pos)),
                  bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
     rows.append(("ours, three launches", bench(lambda: [short_conv.conv_silu_fwd(x, w, pos) for x, w in zip(xs, ws)]),
                  bench(lambda: [short_conv.conv_silu_bwd(x, w, dy, pos) for x, w, dy in zip(xs, ws, dys)])))
     base = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
     try:
+        for t in args.fwd_rows:
+            short_conv.FWD_ROWS = t
+            same = all(torch.equal(a, b) for a, b in zip(short_conv.conv_silu_qkv_fwd(*xs, *ws, pos), ours))
+            rows.append((f"ours, forward rows {','.join(map(str, t))}", bench(lambda: short_conv.conv_silu_qkv_fwd(
+                *xs, *ws, pos)), float("nan")))
+            if not same:
+                log(f"FAILED: the forward with rows {t} differs from the shipped {shipped_fwd}")
+                return 1
         for t in args.bwd_rows:
             short_conv.BWD_ROWS = t
             got = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
             same = all(torch.equal(a, b) for a, b in zip(got[:3], base[:3])) and \
                 all(rel_err(a, b) < 1e-3 for a, b in zip(got[3:], base[3:]))
-            name = f"ours, rows {','.join(map(str, t))}{'' if same else ' (OUTPUTS DIFFER)'}"
-            rows.append((name, float("nan"), bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
+            rows.append((f"ours, backward rows {','.join(map(str, t))}", float("nan"),
+                         bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
             if not same:
                 log(f"FAILED: the backward with rows {t} differs from the shipped {shipped}")
                 return 1
     finally:
-        short_conv.BWD_ROWS = shipped
+        short_conv.BWD_ROWS, short_conv.FWD_ROWS = shipped, shipped_fwd
 
     fla_conv = load_fla() if device == "cuda" else None
     if fla_conv is not None:

@@ -21,9 +21,11 @@ pytestmark = [pytest.mark.bench,
 def test_dry_run_prints_every_row(capsys):
     assert conv_bench.main(["--dry"]) == 0
     out = capsys.readouterr().out
-    for row in ("| ours, one launch |", "| ours, three launches |", "| ours, rows 16,32,1 |", "| floor at 4.3 TB/s |"):
+    for row in ("| ours, one launch |", "| ours, three launches |", "| ours, forward rows 16,32,1,2 |",
+                "| ours, backward rows 16,32,1,2 |", "| floor at 4.3 TB/s |"):
         assert row in out, row
-    assert short_conv.BWD_ROWS == (16, 256, 4)  # the tile sweep leaves the shipped tile in place
+    # the sweeps leave the shipped tiles in place
+    assert (short_conv.FWD_ROWS, short_conv.BWD_ROWS) == ((16, 256, 2, 0), (16, 256, 4, 0))
 
 
 def test_a_wrong_conv_fails_the_run(monkeypatch, capsys):
@@ -48,5 +50,18 @@ def test_a_tile_whose_outputs_differ_fails_the_run(monkeypatch, capsys):
 
     monkeypatch.setattr(short_conv, "conv_silu_qkv_bwd", bwd)
     assert conv_bench.main(["--dry"]) == 1
-    assert "FAILED: the backward with rows (16, 32, 1) differs" in capsys.readouterr().out
+    assert "FAILED: the backward with rows (16, 32, 1, 2) differs" in capsys.readouterr().out
     assert short_conv.BWD_ROWS == shipped
+
+
+def test_a_forward_tile_whose_outputs_differ_fails_the_run(monkeypatch, capsys):
+    real, shipped = short_conv.conv_silu_qkv_fwd, short_conv.FWD_ROWS
+
+    def fwd(*args):
+        out = real(*args)
+        return out if short_conv.FWD_ROWS == shipped else (out[0] * 2, *out[1:])
+
+    monkeypatch.setattr(short_conv, "conv_silu_qkv_fwd", fwd)
+    assert conv_bench.main(["--dry"]) == 1
+    assert "FAILED: the forward with rows (16, 32, 1, 2) differs" in capsys.readouterr().out
+    assert short_conv.FWD_ROWS == shipped

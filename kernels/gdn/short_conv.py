@@ -122,10 +122,24 @@ def _taps(w_ptr, c, cm, W: tl.constexpr):
 
 
 @triton.jit
+def _fwd_row(x_base, pos_ptr, t, T, stride_xt, cm, ct, HAS_POS: tl.constexpr):
+    """x[t] in fp32 and the in-document position of t (0 without positions)."""
+    x = tl.load(x_base + t * stride_xt, mask=cm & (ct + t < T), other=0.0).to(tl.float32)
+    if HAS_POS:
+        p = tl.load(pos_ptr + t, mask=t < T, other=0)
+    else:
+        p = 0
+    return x, p
+
+
+@triton.jit
 def _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt, b, s, ic,
-                   W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+                   W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     """y of the L rows from s·L on and channel block ic of row block b, one row at a time (W ≤ 4):
-    the W - 1 rows before the current one ride along in registers, so each x row is read once."""
+    the W - 1 rows before the current one ride along in registers, so each x row is read once.
+    AHEAD (0-2): rows loaded that many steps before they are used, so that a row's loads are
+    issued before the previous rows' stores (which the compiler may not move them past: y could
+    alias x) and their latency overlaps that work."""
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels
@@ -135,11 +149,24 @@ def _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, str
     x1 = tl.load(x_base + (t0 - 1) * stride_xt, mask=cm & (ct + t0 >= 1), other=0.0).to(tl.float32)
     x2 = tl.load(x_base + (t0 - 2) * stride_xt, mask=cm & (ct + t0 >= 2), other=0.0).to(tl.float32)
     x3 = tl.load(x_base + (t0 - 3) * stride_xt, mask=cm & (ct + t0 >= 3), other=0.0).to(tl.float32)
+    if AHEAD >= 1:
+        xn1, pn1 = _fwd_row(x_base, pos_ptr, t0, T, stride_xt, cm, ct, HAS_POS)
+    if AHEAD >= 2:
+        xn2, pn2 = _fwd_row(x_base, pos_ptr, t0 + 1, T, stride_xt, cm, ct, HAS_POS)
     for i in tl.static_range(L):
         t = t0 + i
-        x0 = tl.load(x_base + t * stride_xt, mask=cm & (ct + t < T), other=0.0).to(tl.float32)
+        if AHEAD == 0:
+            x0, p = _fwd_row(x_base, pos_ptr, t, T, stride_xt, cm, ct, HAS_POS)
+        elif AHEAD == 1:
+            x0, p = xn1, pn1
+            if i + 1 < L:
+                xn1, pn1 = _fwd_row(x_base, pos_ptr, t + 1, T, stride_xt, cm, ct, HAS_POS)
+        else:
+            x0, p = xn1, pn1
+            xn1, pn1 = xn2, pn2
+            if i + 2 < L:
+                xn2, pn2 = _fwd_row(x_base, pos_ptr, t + 2, T, stride_xt, cm, ct, HAS_POS)
         if HAS_POS:
-            p = tl.load(pos_ptr + t, mask=t < T, other=0)
             z = w0 * x0 + tl.where(p >= 1, w1 * x1, 0.0) + tl.where(p >= 2, w2 * x2, 0.0) + \
                 tl.where(p >= 3, w3 * x3, 0.0)
         else:
@@ -151,39 +178,54 @@ def _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, str
 
 @triton.jit
 def _conv_fwd_rows_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
-                          W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+                          W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
+                          AHEAD: tl.constexpr):
     _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
-                   tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS)
+                   tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS, AHEAD)
 
 
 @triton.jit
 def _conv3_fwd_rows_kernel(x0, w0, y0, x1, w1, y1, x2, w2, y2, pos_ptr, T, C0, C1, C2, NB0, NB1,
                            sxb0, sxt0, syb0, syt0, sxb1, sxt1, syb1, syt1, sxb2, sxt2, syb2, syt2,
-                           W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+                           W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
+                          AHEAD: tl.constexpr):
     """_conv_fwd_rows_kernel over three tensors in one launch: channel blocks [0, NB0) are the
     first tensor's, [NB0, NB0 + NB1) the second's, the rest the third's."""
     ic = tl.program_id(2)
     if ic < NB0:
         _conv_fwd_rows(x0, w0, y0, pos_ptr, T, C0, sxb0, sxt0, syb0, syt0, tl.program_id(0), tl.program_id(1), ic,
-                       W, L, BC, HAS_POS)
+                       W, L, BC, HAS_POS, AHEAD)
     elif ic < NB0 + NB1:
         _conv_fwd_rows(x1, w1, y1, pos_ptr, T, C1, sxb1, sxt1, syb1, syt1, tl.program_id(0), tl.program_id(1),
-                       ic - NB0, W, L, BC, HAS_POS)
+                       ic - NB0, W, L, BC, HAS_POS, AHEAD)
     else:
         _conv_fwd_rows(x2, w2, y2, pos_ptr, T, C2, sxb2, sxt2, syb2, syt2, tl.program_id(0), tl.program_id(1),
-                       ic - NB0 - NB1, W, L, BC, HAS_POS)
+                       ic - NB0 - NB1, W, L, BC, HAS_POS, AHEAD)
+
+
+@triton.jit
+def _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_POS: tl.constexpr):
+    """What the backward's step at row u reads: x[u - 3] and dy[u] in fp32 (zero outside [0, T)) and
+    the in-document position of u (0 without positions)."""
+    xd = tl.load(x_base + (u - 3) * stride_xt, mask=cm & (ct + u >= 3) & (ct + u - 3 < T), other=0.0).to(tl.float32)
+    dy = tl.load(dy_base + u * stride_dyt, mask=cm & (ct + u < T) & (ct + u >= 0), other=0.0).to(tl.float32)
+    if HAS_POS:
+        p = tl.load(pos_ptr + u, mask=(u < T) & (u >= 0), other=0)
+    else:
+        p = 0
+    return xd, dy, p
 
 
 @triton.jit
 def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
                    stride_dyt, stride_dxb, stride_dxt, stride_dw, b, s, ic, W: tl.constexpr, L: tl.constexpr,
-                   BC: tl.constexpr, HAS_POS: tl.constexpr):
+                   BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     """dx and the dw partial of the L rows from s·L on and BC channels (W ≤ 4), walking the rows
     backwards from the last one that reaches into them (s·L + L + 2): at row u, dz[u] = dy[u] ⊙
     silu'(z[u]) and dx[u] = Σ_r w[W-1-r] dz[u + r], the three later dz rows and the three x rows
     z[u] needs besides x[u-3] kept in registers from the rows before, so each x and dy row is read
     once (plus the three rows of halo) and dz never goes to memory. The dw partial goes to row
-    (b, s) of dw_ptr [rows, W, stride_dw]."""
+    (b, s) of dw_ptr [rows, W, stride_dw]. AHEAD: as in _conv_fwd_rows."""
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels
@@ -207,13 +249,24 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
     dw1 = tl.zeros([BC], dtype=tl.float32)
     dw2 = tl.zeros([BC], dtype=tl.float32)
     dw3 = tl.zeros([BC], dtype=tl.float32)
+    if AHEAD >= 1:
+        xn1, dyn1, pn1 = _bwd_row(x_base, dy_base, pos_ptr, u0, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+    if AHEAD >= 2:
+        xn2, dyn2, pn2 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 1, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
     for n in tl.static_range(L + 3):
         u = u0 - n
-        inside = (u < T) & (u >= 0)
-        xd = tl.load(x_base + (u - 3) * stride_xt, mask=cm & (ct + u >= 3) & (ct + u - 3 < T), other=0.0).to(tl.float32)
-        dy = tl.load(dy_base + u * stride_dyt, mask=cm & (ct + u < T) & (ct + u >= 0), other=0.0).to(tl.float32)
+        if AHEAD == 0:
+            xd, dy, p = _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+        elif AHEAD == 1:
+            xd, dy, p = xn1, dyn1, pn1
+            if n + 1 < L + 3:
+                xn1, dyn1, pn1 = _bwd_row(x_base, dy_base, pos_ptr, u - 1, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+        else:
+            xd, dy, p = xn1, dyn1, pn1
+            xn1, dyn1, pn1 = xn2, dyn2, pn2
+            if n + 2 < L + 3:
+                xn2, dyn2, pn2 = _bwd_row(x_base, dy_base, pos_ptr, u - 2, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
         if HAS_POS:
-            p = tl.load(pos_ptr + u, mask=inside, other=0)
             t1x = tl.where(p >= 1, xb, 0.0)
             t2x = tl.where(p >= 2, xc, 0.0)
             t3x = tl.where(p >= 3, xd, 0.0)
@@ -251,16 +304,17 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
 @triton.jit
 def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
                           stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
-                          HAS_POS: tl.constexpr):
+                          HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb, stride_dyt,
-                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS)
+                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS,
+                   AHEAD)
 
 
 @triton.jit
 def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2, dw_ptr, pos_ptr, T, C0, C1, C2,
                            NB0, NB1, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1,
                            sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
-                           HAS_POS: tl.constexpr):
+                           HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     """_conv_bwd_rows_kernel over three tensors in one launch (channel blocks as in
     _conv3_fwd_rows_kernel); the dw partials of all three side by side in one [rows, W, C0 + C1 + C2]."""
     ic = tl.program_id(2)
@@ -268,13 +322,13 @@ def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2,
     CT = C0 + C1 + C2
     if ic < NB0:
         _conv_bwd_rows(x0, w0, dy0, dx0, dw_ptr, pos_ptr, T, C0, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, CT, b, s, ic,
-                       W, L, BC, HAS_POS)
+                       W, L, BC, HAS_POS, AHEAD)
     elif ic < NB0 + NB1:
         _conv_bwd_rows(x1, w1, dy1, dx1, dw_ptr + C0, pos_ptr, T, C1, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1, CT, b, s,
-                       ic - NB0, W, L, BC, HAS_POS)
+                       ic - NB0, W, L, BC, HAS_POS, AHEAD)
     else:
         _conv_bwd_rows(x2, w2, dy2, dx2, dw_ptr + C0 + C1, pos_ptr, T, C2, sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, CT,
-                       b, s, ic - NB0 - NB1, W, L, BC, HAS_POS)
+                       b, s, ic - NB0 - NB1, W, L, BC, HAS_POS, AHEAD)
 
 
 # (rows, channels, warps) per program of the forward and of the backward (whose rows include the
@@ -282,10 +336,11 @@ def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2,
 # sweep found: benchmarks/HISTORY.md
 FWD_TILE = (32, 128, 4)
 BWD_TILE = (64, 32, 4)
-# (rows, channels, warps) per program of the row-walking kernels, used for W <= ROWS_MAX_W (they
-# carry at most three earlier taps in registers); from a sweep at the 750m shape on an H200
-FWD_ROWS = (16, 256, 2)
-BWD_ROWS = (16, 256, 4)
+# (rows, channels, warps, rows loaded ahead) per program of the row-walking kernels, used for
+# W <= ROWS_MAX_W (they carry at most three earlier taps in registers); from sweeps at the 750m
+# shape on an H200
+FWD_ROWS = (16, 256, 2, 0)
+BWD_ROWS = (16, 256, 4, 0)
 ROWS_MAX_W = 4
 
 
@@ -305,10 +360,10 @@ def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | No
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x  # a dummy pointer when HAS_POS is off
     if w.shape[1] <= ROWS_MAX_W:
-        L, BC, warps = FWD_ROWS
+        L, BC, warps, ahead = FWD_ROWS
         _conv_fwd_rows_kernel[(B, triton.cdiv(T, L), triton.cdiv(C, BC))](
             x, w, y, pos, T, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1), W=w.shape[1], L=L, BC=BC,
-            HAS_POS=positions is not None, num_warps=warps)
+            HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
         return y
     BT, BC, warps = FWD_TILE
     grid = (B, triton.cdiv(T, BT), triton.cdiv(C, BC))
@@ -325,12 +380,12 @@ def conv_silu_bwd(x, w, dy, positions=None):
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x
     if W <= ROWS_MAX_W:
-        L, BC, warps = BWD_ROWS
+        L, BC, warps, ahead = BWD_ROWS
         NT = triton.cdiv(T, L)
         dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
         _conv_bwd_rows_kernel[(B, NT, triton.cdiv(C, BC))](
             x, w, dy, dx, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
-            dx.stride(1), W=W, L=L, BC=BC, HAS_POS=positions is not None, num_warps=warps)
+            dx.stride(1), W=W, L=L, BC=BC, HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
         return dx, dw_part.sum(0).t().contiguous().to(w.dtype)
     BT, BC, warps = BWD_TILE
     while BT < 2 * W:  # at least W rows per program besides the shared ones
@@ -364,13 +419,13 @@ def conv_silu_qkv_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor
     W = wq.shape[1]
     B, T, _ = q_in.shape
     ys = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
-    L, BC, warps = FWD_ROWS
+    L, BC, warps, ahead = FWD_ROWS
     nb = [triton.cdiv(x.shape[2], BC) for x in xs]
     strides = [v for x, y in zip(xs, ys) for v in (x.stride(0), x.stride(1), y.stride(0), y.stride(1))]
     _conv3_fwd_rows_kernel[(B, triton.cdiv(T, L), sum(nb))](
         q_in, wq, ys[0], k_in, wk, ys[1], v_in, wv, ys[2], positions if positions is not None else q_in, T,
         *(x.shape[2] for x in xs), nb[0], nb[1], *strides, W=W, L=L, BC=BC, HAS_POS=positions is not None,
-        num_warps=warps)
+        AHEAD=ahead, num_warps=warps)
     return ys
 
 
@@ -386,7 +441,7 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None):
     B, T, _ = q_in.shape
     dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
     dxs = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
-    L, BC, warps = BWD_ROWS
+    L, BC, warps, ahead = BWD_ROWS
     NT = triton.cdiv(T, L)
     Cs = [x.shape[2] for x in xs]
     nb = [triton.cdiv(c, BC) for c in Cs]
@@ -396,7 +451,7 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None):
     _conv3_bwd_rows_kernel[(B, NT, sum(nb))](
         q_in, wq, dys[0], dxs[0], k_in, wk, dys[1], dxs[1], v_in, wv, dys[2], dxs[2], dw_part,
         positions if positions is not None else q_in, T, *Cs, nb[0], nb[1], *strides, W=W, L=L, BC=BC,
-        HAS_POS=positions is not None, num_warps=warps)
+        HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
     # one sum over the partials, then each weight's [C, W] its own contiguous tensor (the op's
     # outputs may not alias one another)
     dw = dw_part.sum(0).split(Cs, dim=1)

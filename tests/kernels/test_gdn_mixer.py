@@ -78,6 +78,29 @@ def test_short_conv_qkv_in_one_launch(B, T, Cs, W, lengths, nan_poison):
         assert rel(ys[i], ref) < 1e-6 and rel(grads[i], xr.grad) < 1e-6 and rel(grads[3 + i], wr.grad) < 1e-6
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("lengths", [None, [5, 1, 2, 31]], ids=["causal", "packed"])
+def test_short_conv_rows_loaded_ahead_change_nothing(ahead, lengths, monkeypatch, nan_poison):
+    """Loading rows ahead (the row tiles' fourth field) reorders loads only: bitwise the same y,
+    dx and dw as loading each row when it is used, over rows of several programs (L = 8)."""
+    from hymo_kernels.gdn import short_conv
+
+    torch.manual_seed(3)
+    T, Cs = 39, (24, 24, 40)
+    xs = [torch.randn(1, T, c + 8, device=DEV)[..., 4:4 + c] for c in Cs]
+    ws = [torch.randn(c, 4, device=DEV) for c in Cs]
+    dys = [torch.randn(1, T, c, device=DEV) for c in Cs]
+    pos = positions_of(lengths).to(DEV) if lengths else None
+    monkeypatch.setattr(short_conv, "FWD_ROWS", (8, 32, 1, 0))
+    monkeypatch.setattr(short_conv, "BWD_ROWS", (8, 32, 1, 0))
+    base = conv_silu_qkv_fwd(*xs, *ws, pos), conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
+    monkeypatch.setattr(short_conv, "FWD_ROWS", (8, 32, 1, ahead))
+    monkeypatch.setattr(short_conv, "BWD_ROWS", (8, 32, 1, ahead))
+    got = conv_silu_qkv_fwd(*xs, *ws, pos), conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
+    for a, b in zip(base[0] + base[1], got[0] + got[1]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("shape", [(2, 37, 3, 32), (1, 300, 2, 16)], ids=["B2-T37-H3-V32", "T300-H2-V16"])
 def test_gated_norm(shape, nan_poison):
     torch.manual_seed(1)
