@@ -11,6 +11,10 @@
 # empty), A_ENV, B_ENV (extra environment of each setting's runs, VAR=value words, e.g. a
 # PYTHONPATH that puts a patched launch table first; a PYTHONPATH given there replaces the one
 # scripts/gpu_env.sh sets, so name the site folder and the repository in it too), A_NAME,
+# A_TREE, B_TREE (another copy of the repository whose code runs that setting, e.g. an earlier
+# revision for a numerics check: `git archive REV | tar -x -C DIR`; its runs start its own
+# run_train.sh from inside it with its hymo_recipes and kernels first on the path, its config
+# files, this copy's data/brown and assets/tokenizer linked in), A_NAME,
 # B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"), CONFIG
 # (default train_configs/hymo_small.toml), STEPS (default 200), RUN_TIMEOUT (seconds per run,
 # default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
@@ -50,7 +54,17 @@ for name in "${A_NAME}" "${B_NAME}"; do  # labels become file names (logs, run f
     [[ "${name}" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "ab_seeds: bad label '${name}': use letters, digits, _ . -" >&2; exit 2; }
 done
 [ "${A_NAME}" != "${B_NAME}" ] || { echo "ab_seeds: A_NAME and B_NAME are both '${A_NAME}'" >&2; exit 2; }
+TREES=()
+for tree in "${A_TREE:-}" "${B_TREE:-}"; do
+    if [ -n "${tree}" ] && [ ! -x "${tree}/run_train.sh" ]; then
+        echo "ab_seeds: A_TREE/B_TREE '${tree}' has no run_train.sh: give a copy of the repository" >&2; exit 2
+    fi
+    if [ -n "${tree}" ]; then TREES+=("$(cd "${tree}" && pwd)"); else TREES+=(""); fi
+done
 mkdir -p "${RESULTS}"
+RESULTS=$(cd "${RESULTS}" && pwd)
+mkdir -p "${RUN_DIR}"
+RUN_DIR=$(cd "${RUN_DIR}" && pwd)
 
 NAME=ab_seeds . scripts/gpu_env.sh
 if [ "${DRY:-0}" != 1 ]; then
@@ -58,15 +72,34 @@ if [ "${DRY:-0}" != 1 ]; then
 fi
 python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, '| triton', triton.__version__, '| torchtitan', torchtitan.__version__)"
 
+# A tree's runs: its kernels under their import name in a site folder of their own, that folder
+# and the tree ahead of this copy on the path, this copy's data and tokenizer linked in.
+tree_env() {  # tree_env TREE NAME: prints the PYTHONPATH of TREE's runs
+    local tree=$1 site="${RUN_DIR}/site_$2"
+    mkdir -p "${site}" "${tree}/data" "${tree}/assets"
+    ln -sfn "${tree}/kernels" "${site}/hymo_kernels"
+    [ -e "${tree}/data/brown" ] || ln -sfn "${PWD}/data/brown" "${tree}/data/brown"
+    [ -e "${tree}/assets/tokenizer" ] || ln -sfn "${PWD}/assets/tokenizer" "${tree}/assets/tokenizer"
+    echo "${site}:${tree}:${PYTHONPATH}"
+}
+TREE_PATHS=("" "")
+[ -z "${TREES[0]}" ] || TREE_PATHS[0]=$(tree_env "${TREES[0]}" "${A_NAME}")
+[ -z "${TREES[1]}" ] || TREE_PATHS[1]=$(tree_env "${TREES[1]}" "${B_NAME}")
+
 status=0
-run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run folder; RUN_ENV its environment
+run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run folder; RUN_ENV its
+    # environment, RUN_TREE the copy of the repository it runs from (empty: this one), RUN_PATH its PYTHONPATH
     local label=$1 gpu=$2 seed=$3; shift 3
     rm -rf "${RUN_DIR:?}/${label}"
     local start=$SECONDS
     set +e
-    env ${RUN_ENV[@]+"${RUN_ENV[@]}"} CUDA_VISIBLE_DEVICES=${gpu} NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" timeout "${RUN_TIMEOUT}" ./run_train.sh \
-        --training.steps "${STEPS}" --metrics.log_freq 1 --debug.seed "${seed}" --checkpoint.no-enable \
-        --job.dump_folder "${RUN_DIR}/${label}" ${EXTRA[@]+"${EXTRA[@]}"} "$@" > "${RESULTS}/${label}.log" 2>&1
+    (
+        if [ -n "${RUN_TREE}" ]; then cd "${RUN_TREE}" && export PYTHONPATH="${RUN_PATH}"; fi
+        env ${RUN_ENV[@]+"${RUN_ENV[@]}"} CUDA_VISIBLE_DEVICES=${gpu} NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" \
+            timeout "${RUN_TIMEOUT}" ./run_train.sh --training.steps "${STEPS}" --metrics.log_freq 1 \
+            --debug.seed "${seed}" --checkpoint.no-enable --job.dump_folder "${RUN_DIR}/${label}" \
+            ${EXTRA[@]+"${EXTRA[@]}"} "$@" > "${RESULTS}/${label}.log" 2>&1
+    )
     local rc=$?
     set -e
     echo "${label}: exit ${rc}, $((SECONDS - start)) s wall"
@@ -85,23 +118,23 @@ labels=()
 for seed in ${SEEDS}; do
     a="${A_NAME}_s${seed}" b="${B_NAME}_s${seed}"
     if [ "${two_gpus}" = 1 ]; then
-        RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"})
+        RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}
         run "${a}" 0 "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pid=$!
-        RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"})
+        RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"}) RUN_TREE=${TREES[1]} RUN_PATH=${TREE_PATHS[1]}
         run "${b}" 1 "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
         wait "${pid}" || status=$?
     else
-        RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"})
+        RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}
         run "${a}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" || status=$?
-        RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"})
+        RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"}) RUN_TREE=${TREES[1]} RUN_PATH=${TREE_PATHS[1]}
         run "${b}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
     fi
     labels+=("${A_NAME}@${seed}=${RUN_DIR}/${a}" "${B_NAME}@${seed}=${RUN_DIR}/${b}")
 done
 
 echo "================ ab_seeds: ${CONFIG}, ${STEPS} steps, seeds ${SEEDS} ================"
-echo "${A_NAME}: ${A_ARGS:-(no extra arguments)}${A_ENV:+ | environment ${A_ENV}}"
-echo "${B_NAME}: ${B_ARGS:-(no extra arguments)}${B_ENV:+ | environment ${B_ENV}}"
+echo "${A_NAME}: ${A_ARGS:-(no extra arguments)}${A_ENV:+ | environment ${A_ENV}}${A_TREE:+ | tree ${A_TREE}}"
+echo "${B_NAME}: ${B_ARGS:-(no extra arguments)}${B_ENV:+ | environment ${B_ENV}}${B_TREE:+ | tree ${B_TREE}}"
 python3 -m benchmarks.optim_compare_table "${labels[@]}" | tee "${RESULTS}/table.txt" || status=1
 if [ "${PACK:-0}" = 1 ]; then
     packed=()

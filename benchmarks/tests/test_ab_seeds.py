@@ -61,3 +61,29 @@ def test_pack_leaves_the_table_and_one_archive(tmp_path):
     with tarfile.open(out / "runs.tar.gz") as tar:
         names = tar.getnames()
     assert {"x_s5.log", "y_s5.log"} <= set(names) and any(n.startswith("tb_x_s5") for n in names), names
+
+
+def test_a_tree_runs_its_own_code(tmp_path):
+    # A runs from a copy of the repository whose hymo_recipes leaves a marker when imported; B
+    # from this one: only A's processes leave it, and the table has both
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    marker = tmp_path / "marker"
+    init = tree / "hymo_recipes" / "__init__.py"
+    init.write_text(init.read_text() + f"\nopen({str(marker)!r}, 'a').write('tree\\n')\n")
+    res = run_script(tmp_path, STEPS="1", SEEDS="2", A_NAME="old", B_NAME="new", A_TREE=str(tree))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "old@2" in res.stdout and "new@2" in res.stdout and f"tree {tree}" in res.stdout
+    assert marker.exists() and set(marker.read_text().split()) == {"tree"}
+    # B's runs did not import the tree: every marker line was written before B started
+    count = len(marker.read_text().split())
+    res = run_script(tmp_path, STEPS="1", SEEDS="2", A_NAME="old", B_NAME="new")
+    assert res.returncode == 0 and len(marker.read_text().split()) == count
+
+
+def test_a_tree_that_is_not_a_repository_is_refused(tmp_path):
+    res = run_script(tmp_path, A_TREE=str(tmp_path))
+    assert res.returncode == 2 and "has no run_train.sh" in res.stderr
+    assert not (tmp_path / "runs").exists()
