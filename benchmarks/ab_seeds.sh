@@ -10,17 +10,19 @@
 # Environment: A_ARGS, B_ARGS (extra run_train.sh arguments of each setting; either may be
 # empty), A_ENV, B_ENV (extra environment of each setting's runs, VAR=value words, e.g. a
 # PYTHONPATH that puts a patched launch table first; a PYTHONPATH given there replaces the one
-# scripts/gpu_env.sh sets, so name the site folder and the repository in it too), A_NAME,
-# A_TREE, B_TREE (another copy of the repository whose code runs that setting, e.g. an earlier
-# revision for a numerics check: `git archive REV | tar -x -C DIR`; its runs start its own
-# run_train.sh from inside it with its hymo_recipes and kernels first on the path, its config
-# files, this copy's data/brown and assets/tokenizer linked in), A_NAME,
+# scripts/gpu_env.sh sets, so name the site folder and the repository in it too), A_TREE,
+# B_TREE (another copy of the repository whose code runs that setting, e.g. an earlier revision
+# for a numerics check: `git archive REV | tar -x -C DIR`, made where the history is; its runs
+# start its own run_train.sh from inside it with its hymo_recipes and kernels first on the path,
+# its config files, this copy's data/brown and assets/tokenizer linked in; a relative path, like
+# OUT and RUN_DIR, is taken from the repository's root), A_NAME,
 # B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"), CONFIG
 # (default train_configs/hymo_small.toml), STEPS (default 200), RUN_TIMEOUT (seconds per run,
 # default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
 # logged, no checkpoints. On two GPUs A runs on GPU 0 and B on GPU 1, seed by seed side by side
 # (four seeds of 200-step hymo_small runs fit one 10-minute call that way); on one GPU (or CPU)
-# one after the other.
+# one after the other, or with SIDE_BY_SIDE=1 side by side on that one device (for the losses
+# only: the two runs share it, so their tokens/s mean nothing).
 #
 # For a bare GPU machine (scripts/gpu_env.sh): carry .whl/, data/brown/ and assets/tokenizer/;
 # results under $OUT when set, else outputs/ab_seeds. PACK=1 leaves two files there, table.txt
@@ -74,17 +76,23 @@ python3 -c "import torch, triton, torchtitan; print('torch', torch.__version__, 
 
 # A tree's runs: its kernels under their import name in a site folder of their own, that folder
 # and the tree ahead of this copy on the path, this copy's data and tokenizer linked in.
-tree_env() {  # tree_env TREE NAME: prints the PYTHONPATH of TREE's runs
-    local tree=$1 site="${RUN_DIR}/site_$2"
+tree_env() {  # tree_env TREE NAME: prints the PYTHONPATH of TREE's runs (runs in $(...): errexit set here)
+    set -e
+    local tree=$1 site="${RUN_DIR}/.sites/$2"
     mkdir -p "${site}" "${tree}/data" "${tree}/assets"
     ln -sfn "${tree}/kernels" "${site}/hymo_kernels"
     [ -e "${tree}/data/brown" ] || ln -sfn "${PWD}/data/brown" "${tree}/data/brown"
     [ -e "${tree}/assets/tokenizer" ] || ln -sfn "${PWD}/assets/tokenizer" "${tree}/assets/tokenizer"
+    [ -f "${site}/hymo_kernels/__init__.py" ] || { echo "ab_seeds: ${tree} has no kernels/ package" >&2; exit 1; }
     echo "${site}:${tree}:${PYTHONPATH}"
 }
 TREE_PATHS=("" "")
-[ -z "${TREES[0]}" ] || TREE_PATHS[0]=$(tree_env "${TREES[0]}" "${A_NAME}")
-[ -z "${TREES[1]}" ] || TREE_PATHS[1]=$(tree_env "${TREES[1]}" "${B_NAME}")
+for i in 0 1; do
+    if [ -n "${TREES[$i]}" ]; then
+        TREE_PATHS[$i]=$(tree_env "${TREES[$i]}" "$([ "$i" = 0 ] && echo "${A_NAME}" || echo "${B_NAME}")") || {
+            echo "ab_seeds: could not set up the tree ${TREES[$i]}" >&2; exit 2; }
+    fi
+done
 
 status=0
 run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run folder; RUN_ENV its
@@ -94,7 +102,10 @@ run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run fo
     local start=$SECONDS
     set +e
     (
-        if [ -n "${RUN_TREE}" ]; then cd "${RUN_TREE}" && export PYTHONPATH="${RUN_PATH}"; fi
+        if [ -n "${RUN_TREE}" ]; then
+            cd "${RUN_TREE}" || exit 2
+            export PYTHONPATH="${RUN_PATH}"
+        fi
         env ${RUN_ENV[@]+"${RUN_ENV[@]}"} CUDA_VISIBLE_DEVICES=${gpu} NGPU=1 LOG_RANK=0 CONFIG_FILE="${CONFIG}" \
             timeout "${RUN_TIMEOUT}" ./run_train.sh --training.steps "${STEPS}" --metrics.log_freq 1 \
             --debug.seed "${seed}" --checkpoint.no-enable --job.dump_folder "${RUN_DIR}/${label}" \
@@ -110,9 +121,12 @@ run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run fo
     return "${rc}"
 }
 
-two_gpus=0
+two_gpus=0 gpu_b=1
 if [ "${DRY:-0}" != 1 ] && [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ]; then
     two_gpus=1
+elif [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+    two_gpus=1 gpu_b=0
+    echo "ab_seeds: SIDE_BY_SIDE=1: A and B of each seed share one device; their tokens/s say nothing"
 fi
 labels=()
 for seed in ${SEEDS}; do
@@ -121,7 +135,7 @@ for seed in ${SEEDS}; do
         RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}
         run "${a}" 0 "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pid=$!
         RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"}) RUN_TREE=${TREES[1]} RUN_PATH=${TREE_PATHS[1]}
-        run "${b}" 1 "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
+        run "${b}" "${gpu_b}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
         wait "${pid}" || status=$?
     else
         RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}

@@ -13,9 +13,9 @@ median of ``triton.testing.do_bench``; the host clock in the dry mode):
 
 - ``ours, one launch``: hymo_kernels.gdn.short_conv's ``conv_silu_qkv_fwd`` / ``_bwd`` (the fused
   mixer's path, the three convs in one launch each way), and ``ours, three launches``;
-- ``ours, rows L,BC,warps``: the one-launch forward with each ``--fwd-rows`` tile and backward
-  with each ``--bwd-rows`` tile (outputs checked bitwise against the shipped tile's, dw to
-  rounding);
+- ``ours, forward rows L,BC,warps,ahead`` and ``ours, backward rows ...``: the one-launch forward
+  with each ``--fwd-rows`` tile and backward with each ``--bwd-rows`` tile (outputs checked
+  bitwise against the shipped tile's, dw to rounding);
 - ``fla``: fla-core's ``causal_conv1d(x, w, activation="silu", cu_seqlens=...)`` three times
   (GPU only, when the package imports); its backward time is that of a forward with autograd
   recording plus the backward, less the plain forward's;

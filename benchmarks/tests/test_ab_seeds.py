@@ -64,26 +64,61 @@ def test_pack_leaves_the_table_and_one_archive(tmp_path):
 
 
 def test_a_tree_runs_its_own_code(tmp_path):
-    # A runs from a copy of the repository whose hymo_recipes leaves a marker when imported; B
-    # from this one: only A's processes leave it, and the table has both
+    # A runs from a copy of the repository, B from this one; every Python process records at exit
+    # its setting (AB_TAG), its working folder and where the hymo_recipes and hymo_kernels it
+    # imported live: A's from the copy, B's from this repository
     tree = tmp_path / "tree"
     tree.mkdir()
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    site = tmp_path / "site"
+    site.mkdir()
     marker = tmp_path / "marker"
-    init = tree / "hymo_recipes" / "__init__.py"
-    init.write_text(init.read_text() + f"\nopen({str(marker)!r}, 'a').write('tree\\n')\n")
-    res = run_script(tmp_path, STEPS="1", SEEDS="2", A_NAME="old", B_NAME="new", A_TREE=str(tree))
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os, sys\n"
+        "def _record():\n"
+        "    mods = [sys.modules.get(n) for n in ('hymo_recipes', 'hymo_kernels')]\n"
+        "    if 'AB_TAG' in os.environ and all(mods):\n"
+        f"        with open({str(marker)!r}, 'a') as f:\n"
+        "            f.write(' '.join([os.environ['AB_TAG'], os.getcwd()] + [os.path.realpath(m.__file__)\n"
+        "                                                                  for m in mods]) + '\\n')\n"
+        "atexit.register(_record)\n")
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    res = run_script(tmp_path, STEPS="1", SEEDS="2", A_NAME="old", B_NAME="new", A_TREE=str(tree),
+                     A_ENV="AB_TAG=a", B_ENV="AB_TAG=b", PYTHONPATH=pythonpath)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "old@2" in res.stdout and "new@2" in res.stdout and f"tree {tree}" in res.stdout
-    assert marker.exists() and set(marker.read_text().split()) == {"tree"}
-    # B's runs did not import the tree: every marker line was written before B started
-    count = len(marker.read_text().split())
-    res = run_script(tmp_path, STEPS="1", SEEDS="2", A_NAME="old", B_NAME="new")
-    assert res.returncode == 0 and len(marker.read_text().split()) == count
+    records = [line.split() for line in marker.read_text().splitlines()]
+    assert {r[0] for r in records} == {"a", "b"}, records
+    for tag, cwd, recipes, kernels in records:
+        root = tree if tag == "a" else REPO
+        assert Path(cwd) == root, (tag, cwd)
+        assert Path(recipes).is_relative_to(root / "hymo_recipes"), (tag, recipes)
+        assert Path(kernels).is_relative_to(root / "kernels"), (tag, kernels)
 
 
 def test_a_tree_that_is_not_a_repository_is_refused(tmp_path):
     res = run_script(tmp_path, A_TREE=str(tmp_path))
     assert res.returncode == 2 and "has no run_train.sh" in res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_side_by_side_on_one_device(tmp_path):
+    # A and B of a seed at once on the one device: the second run starts before the first ends
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "marker"
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os, time\n"
+        "def _note(kind):\n"
+        f"    open({str(marker)!r}, 'a').write(f\"{{kind}} {{os.environ['AB_TAG']}} {{time.time()}}\\n\")\n"
+        "if 'AB_TAG' in os.environ and os.environ.get('LOCAL_RANK') == '0':\n"
+        "    _note('start')\n"
+        "    atexit.register(_note, 'end')\n")
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    res = run_script(tmp_path, STEPS="1", SEEDS="4", A_NAME="p", B_NAME="q", SIDE_BY_SIDE="1", A_ENV="AB_TAG=a",
+                     B_ENV="AB_TAG=b", PYTHONPATH=pythonpath)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "SIDE_BY_SIDE=1" in res.stdout and "p@4" in res.stdout and "q@4" in res.stdout
+    times = {(kind, tag): float(t) for kind, tag, t in (line.split() for line in marker.read_text().splitlines())}
+    assert times[("start", "b")] < times[("end", "a")] and times[("start", "a")] < times[("end", "b")], times

@@ -139,7 +139,7 @@ def _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, str
     the W - 1 rows before the current one ride along in registers, so each x row is read once.
     AHEAD (0-2): rows loaded that many steps before they are used, so that a row's loads are
     issued before the previous rows' stores (which the compiler may not move them past: y could
-    alias x) and their latency overlaps that work."""
+    alias x) and can be in flight during that work; the same outputs for every AHEAD."""
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels

@@ -79,25 +79,28 @@ def test_short_conv_qkv_in_one_launch(B, T, Cs, W, lengths, nan_poison):
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
-@pytest.mark.parametrize("lengths", [None, [5, 1, 2, 31]], ids=["causal", "packed"])
-def test_short_conv_rows_loaded_ahead_change_nothing(ahead, lengths, monkeypatch, nan_poison):
+@pytest.mark.parametrize("W, L, lengths", [(4, 8, None), (4, 8, [5, 1, 2, 31]), (3, 2, [5, 1, 2, 31]), (2, 2, None)],
+                         ids=["W4-L8-causal", "W4-L8-packed", "W3-L2-packed", "W2-L2-causal"])
+def test_short_conv_rows_loaded_ahead_change_nothing(ahead, W, L, lengths, monkeypatch, nan_poison):
     """Loading rows ahead (the row tiles' fourth field) reorders loads only: bitwise the same y,
-    dx and dw as loading each row when it is used, over rows of several programs (L = 8)."""
+    dx and dw as loading each row when it is used, over rows of several programs (a row run L
+    as short as the rows loaded ahead included), through the q/k/v and the one-tensor entry points."""
     from hymo_kernels.gdn import short_conv
 
     torch.manual_seed(3)
     T, Cs = 39, (24, 24, 40)
     xs = [torch.randn(1, T, c + 8, device=DEV)[..., 4:4 + c] for c in Cs]
-    ws = [torch.randn(c, 4, device=DEV) for c in Cs]
+    ws = [torch.randn(c, W, device=DEV) for c in Cs]
     dys = [torch.randn(1, T, c, device=DEV) for c in Cs]
     pos = positions_of(lengths).to(DEV) if lengths else None
-    monkeypatch.setattr(short_conv, "FWD_ROWS", (8, 32, 1, 0))
-    monkeypatch.setattr(short_conv, "BWD_ROWS", (8, 32, 1, 0))
-    base = conv_silu_qkv_fwd(*xs, *ws, pos), conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
-    monkeypatch.setattr(short_conv, "FWD_ROWS", (8, 32, 1, ahead))
-    monkeypatch.setattr(short_conv, "BWD_ROWS", (8, 32, 1, ahead))
-    got = conv_silu_qkv_fwd(*xs, *ws, pos), conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
-    for a, b in zip(base[0] + base[1], got[0] + got[1]):
+
+    def outputs(a):
+        monkeypatch.setattr(short_conv, "FWD_ROWS", (L, 32, 1, a))
+        monkeypatch.setattr(short_conv, "BWD_ROWS", (L, 32, 1, a))
+        return (*conv_silu_qkv_fwd(*xs, *ws, pos), *conv_silu_qkv_bwd(*xs, *ws, *dys, pos),
+                conv_silu_fwd(xs[0], ws[0], pos), *conv_silu_bwd(xs[0], ws[0], dys[0], pos))
+
+    for a, b in zip(outputs(0), outputs(ahead)):
         assert torch.equal(a, b)
 
 
