@@ -19,6 +19,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
 from torchtitan.protocols import train_spec as train_spec_module  # its registry: _extra_train_specs
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.utils import device_type as titan_device_type
@@ -37,6 +38,7 @@ __all__ = [
     "MetricsProcessor",
     "OptimizersContainer",
     "ParallelAwareDataloader",
+    "StateDictAdapter",
     "TORCH_DTYPE_MAP",
     "Trainer",
     "TrainSpec",

@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# TorchTitan's adapter base class; hymo_recipes/titan/api.py is the list of the other TorchTitan names
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
-
 from hymo_recipes.hf import names
+
+from .api import StateDictAdapter
 
 
 class HymoStateDictAdapter(StateDictAdapter):

@@ -155,3 +155,21 @@ def test_the_models_grouped_mm_layout_is_torchtitans(counts):
     ours, our_sizes, _ = padded_indices(n, rows)
     assert torch.equal(our_sizes.to(their_sizes.dtype), their_sizes)
     assert ours.tolist() == theirs.tolist()
+
+
+def test_only_the_api_module_imports_torchtitan():
+    """TorchTitan's names reach HyMo through hymo_recipes/titan/api.py alone (a version bump
+    touches one list): no other module of the packages imports from it."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in sorted([*(root / "hymo_recipes").rglob("*.py"), *(root / "kernels").rglob("*.py")]):
+        if path == root / "hymo_recipes" / "titan" / "api.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            if any(n == "torchtitan" or n.startswith("torchtitan.") for n in names):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders
