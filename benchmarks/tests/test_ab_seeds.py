@@ -15,15 +15,21 @@ def run_script(tmp_path, **env):
     return subprocess.run(["bash", "benchmarks/ab_seeds.sh"], cwd=REPO, env=full, capture_output=True, text=True)
 
 
+def with_sitecustomize(tmp_path, code: str) -> str:
+    """A PYTHONPATH whose first folder holds a sitecustomize.py of ``code`` (every Python process
+    of a run executes it at start)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(code)
+    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+
+
 def test_two_settings_one_seed_table(tmp_path):
     # every Python process of a run records its AB_TAG (A_ENV / B_ENV), so the marker shows which
     # setting's environment each run got
-    site = tmp_path / "site"
-    site.mkdir()
     marker = tmp_path / "marker"
-    (site / "sitecustomize.py").write_text(
-        f"import os\nif 'AB_TAG' in os.environ:\n    open({str(marker)!r}, 'a').write(os.environ['AB_TAG'] + '\\n')\n")
-    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    pythonpath = with_sitecustomize(tmp_path, "import os\nif 'AB_TAG' in os.environ:\n"
+                                              f"    open({str(marker)!r}, 'a').write(os.environ['AB_TAG'] + '\\n')\n")
     res = run_script(tmp_path, STEPS="2", SEEDS="3", A_NAME="lr3", A_ARGS="--optimizer.lr 3e-4",
                      B_NAME="lr1", B_ARGS="--optimizer.lr 1e-4", A_ENV="AB_TAG=a", B_ENV="AB_TAG=b",
                      PYTHONPATH=pythonpath)
@@ -71,10 +77,9 @@ def test_a_tree_runs_its_own_code(tmp_path):
     tree.mkdir()
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    site = tmp_path / "site"
-    site.mkdir()
     marker = tmp_path / "marker"
-    (site / "sitecustomize.py").write_text(
+    pythonpath = with_sitecustomize(
+        tmp_path,
         "import atexit, os, sys\n"
         "def _record():\n"
         "    mods = [sys.modules.get(n) for n in ('hymo_recipes', 'hymo_kernels')]\n"
@@ -83,7 +88,6 @@ def test_a_tree_runs_its_own_code(tmp_path):
         "            f.write(' '.join([os.environ['AB_TAG'], os.getcwd()] + [os.path.realpath(m.__file__)\n"
         "                                                                  for m in mods]) + '\\n')\n"
         "atexit.register(_record)\n")
-    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     res = run_script(tmp_path, STEPS="1", SEEDS="2", A_NAME="old", B_NAME="new", A_TREE=str(tree),
                      A_ENV="AB_TAG=a", B_ENV="AB_TAG=b", PYTHONPATH=pythonpath)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -105,17 +109,15 @@ def test_a_tree_that_is_not_a_repository_is_refused(tmp_path):
 
 def test_side_by_side_on_one_device(tmp_path):
     # A and B of a seed at once on the one device: the second run starts before the first ends
-    site = tmp_path / "site"
-    site.mkdir()
     marker = tmp_path / "marker"
-    (site / "sitecustomize.py").write_text(
+    pythonpath = with_sitecustomize(
+        tmp_path,
         "import atexit, os, time\n"
         "def _note(kind):\n"
         f"    open({str(marker)!r}, 'a').write(f\"{{kind}} {{os.environ['AB_TAG']}} {{time.time()}}\\n\")\n"
         "if 'AB_TAG' in os.environ and os.environ.get('LOCAL_RANK') == '0':\n"
         "    _note('start')\n"
         "    atexit.register(_note, 'end')\n")
-    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     res = run_script(tmp_path, STEPS="1", SEEDS="4", A_NAME="p", B_NAME="q", SIDE_BY_SIDE="1", A_ENV="AB_TAG=a",
                      B_ENV="AB_TAG=b", PYTHONPATH=pythonpath)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -41,27 +41,16 @@ def test_document_lengths_fill_the_row():
     assert lengths == conv_bench.document_lengths(32768)  # a fixed draw
 
 
-def test_a_tile_whose_outputs_differ_fails_the_run(monkeypatch, capsys):
-    real, shipped = short_conv.conv_silu_qkv_bwd, short_conv.BWD_ROWS
+@pytest.mark.parametrize("direction, entry, tiles", [("backward", "conv_silu_qkv_bwd", "BWD_ROWS"),
+                                                     ("forward", "conv_silu_qkv_fwd", "FWD_ROWS")])
+def test_a_tile_whose_outputs_differ_fails_the_run(direction, entry, tiles, monkeypatch, capsys):
+    real, shipped = getattr(short_conv, entry), getattr(short_conv, tiles)
 
-    def bwd(*args):
+    def wrong_off_the_shipped_tile(*args):
         out = real(*args)
-        return out if short_conv.BWD_ROWS == shipped else (out[0] * 2, *out[1:])
+        return out if getattr(short_conv, tiles) == shipped else (out[0] * 2, *out[1:])
 
-    monkeypatch.setattr(short_conv, "conv_silu_qkv_bwd", bwd)
+    monkeypatch.setattr(short_conv, entry, wrong_off_the_shipped_tile)
     assert conv_bench.main(["--dry"]) == 1
-    assert "FAILED: the backward with rows (16, 32, 1, 2) differs" in capsys.readouterr().out
-    assert short_conv.BWD_ROWS == shipped
-
-
-def test_a_forward_tile_whose_outputs_differ_fails_the_run(monkeypatch, capsys):
-    real, shipped = short_conv.conv_silu_qkv_fwd, short_conv.FWD_ROWS
-
-    def fwd(*args):
-        out = real(*args)
-        return out if short_conv.FWD_ROWS == shipped else (out[0] * 2, *out[1:])
-
-    monkeypatch.setattr(short_conv, "conv_silu_qkv_fwd", fwd)
-    assert conv_bench.main(["--dry"]) == 1
-    assert "FAILED: the forward with rows (16, 32, 1, 2) differs" in capsys.readouterr().out
-    assert short_conv.FWD_ROWS == shipped
+    assert f"FAILED: the {direction} with rows (16, 32, 1, 2) differs" in capsys.readouterr().out
+    assert getattr(short_conv, tiles) == shipped
