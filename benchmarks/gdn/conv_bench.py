@@ -42,6 +42,7 @@ if not torch.cuda.is_available():  # the kernels read it at import: the interpre
 from benchmarks.gdn.bench import rel as rel_err  # noqa: E402  (relative L2 error, inf if not finite)
 from hymo_kernels.gdn import short_conv  # noqa: E402
 from hymo_kernels.gdn.mixer_torch import short_causal_conv  # noqa: E402
+from hymo_recipes.model.model import positions_in_documents  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -130,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     dys = [torch.randn(1, T, C, device=device, dtype=dtype) for _ in range(3)]
     lengths = None if args.no_documents else document_lengths(T, *((10, 40) if args.dry else (500, 6000)))
     cu = None if lengths is None else torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
-    pos = None if cu is None else (torch.arange(T, device=device)
-                                   - torch.repeat_interleave(cu[:-1].long(), torch.tensor(lengths, device=device)))
+    pos = None if cu is None else positions_in_documents(cu, T)
     log(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (interpreter)'}, torch {torch.__version__}, "
         f"[1, {T}, {C}] x 3 {str(dtype).removeprefix('torch.')}, W = {W}, "
         f"{'one causal row' if lengths is None else f'documents: {len(lengths)}'}")
@@ -156,22 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for t in args.fwd_rows:
             short_conv.FWD_ROWS = t
-            same = all(torch.equal(a, b) for a, b in zip(short_conv.conv_silu_qkv_fwd(*xs, *ws, pos), ours))
-            rows.append((f"ours, forward rows {','.join(map(str, t))}", bench(lambda: short_conv.conv_silu_qkv_fwd(
-                *xs, *ws, pos)), float("nan")))
-            if not same:
+            if not all(torch.equal(a, b) for a, b in zip(short_conv.conv_silu_qkv_fwd(*xs, *ws, pos), ours)):
                 log(f"FAILED: the forward with rows {t} differs from the shipped {shipped_fwd}")
                 return 1
+            rows.append((f"ours, forward rows {','.join(map(str, t))}", bench(lambda: short_conv.conv_silu_qkv_fwd(
+                *xs, *ws, pos)), float("nan")))
         for t in args.bwd_rows:
             short_conv.BWD_ROWS = t
             got = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
-            same = all(torch.equal(a, b) for a, b in zip(got[:3], base[:3])) and \
-                all(rel_err(a, b) < 1e-3 for a, b in zip(got[3:], base[3:]))
-            rows.append((f"ours, backward rows {','.join(map(str, t))}", float("nan"),
-                         bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
-            if not same:
+            if not (all(torch.equal(a, b) for a, b in zip(got[:3], base[:3]))
+                    and all(rel_err(a, b) < 1e-3 for a, b in zip(got[3:], base[3:]))):
                 log(f"FAILED: the backward with rows {t} differs from the shipped {shipped}")
                 return 1
+            rows.append((f"ours, backward rows {','.join(map(str, t))}", float("nan"),
+                         bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
     finally:
         short_conv.BWD_ROWS, short_conv.FWD_ROWS = shipped, shipped_fwd
 

@@ -57,7 +57,8 @@ def data_can_run_out(dataloader) -> bool:
 class HymoTrainer(Trainer):
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda" and t.device.type == "cpu":
-            # pinned (the caching host allocator reuses the block once the copy has run)
+            # pinned (the caching host allocator reuses the block once the copy has run); the
+            # batches arrive pinned (_prepare_batch), for which pin_memory returns the tensor itself
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
