@@ -24,6 +24,12 @@ tied head once per MTP head and the GDN recurrence as the chunked algorithm exec
 memory is TorchTitan's (the allocator's peak reserved bytes). The optimizer share is the
 optimizer step's time (CUDA events) over the step time (tokens / tokens/s). Then each HyMo
 run's tokens/s over each peer run's at the same batch and over every peer run.
+
+On a GPU, ``nvidia-smi`` samples the first visible GPU's SM clock, power draw and temperature
+every 250 ms while a run trains; the table gives their medians (temperature: maximum) over the
+timed steps, placed by the log's timestamps: a clock below the GPU's maximum under a power
+draw at its limit says the run was power-capped, so its kernels ran slower than in a short
+profile.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +69,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naninf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                    r".*?tflops:\s*([\d,.]+).*?mfu:\s*([\d.]+)%")
 _OPT = re.compile(r"bench: optimizer_step_ms=([\d.]+)")
+# TorchTitan's log records: "[titan] 2026-12-01 10:02:38,135 - root - INFO - ... step: 7 ..."
+_STEP_TIME = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?step:\s*(\d+)\s+loss:")
+_SMI_FIELDS = "timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu"
 _PEER_TOML = """\
 [job]
 description = "benchmark peer {model}:{flavor}"
@@ -93,6 +104,7 @@ class Run:
     global_batch: int = 0  # 0: the local batch (one microbatch per step)
     error: str = ""
     seconds: float = 0.0
+    gpu: dict | None = None  # GpuSampler.summary over the timed steps
 
     @property
     def name(self) -> str:
@@ -120,6 +132,64 @@ def parse_log(text: str) -> tuple[list[dict], list[float]]:
         elif m := _OPT.search(line):
             opt.append(float(m[1]))
     return steps, opt
+
+
+def step_times(text: str) -> dict[int, datetime]:
+    """When each step was logged (TorchTitan's record time)."""
+    out = {}
+    for line in _ANSI.sub("", text).splitlines():
+        if m := _STEP_TIME.search(line):
+            out[int(m[2])] = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f")
+    return out
+
+
+class GpuSampler:
+    """``nvidia-smi`` sampling the first visible GPU's clocks, power and temperature in the
+    background while a run trains (nothing where there is no ``nvidia-smi``)."""
+
+    def __init__(self, interval_ms: int = 250):
+        self.interval_ms = interval_ms
+        self.proc = None
+        self.text = ""
+
+    def __enter__(self):
+        smi = shutil.which("nvidia-smi")
+        if smi is not None:
+            gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+            self.proc = subprocess.Popen([smi, "-i", gpu, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits",
+                                          f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.text = self.proc.communicate(timeout=10)[0]
+
+    @staticmethod
+    def samples(text: str) -> list[tuple[datetime, list[float]]]:
+        """(time, [SM MHz, max SM MHz, W, W limit, °C]) per well-formed line."""
+        out = []
+        for line in text.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 6:
+                continue
+            try:
+                when = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+                out.append((when, [float(p) for p in parts[1:]]))
+            except ValueError:  # a header, "[N/A]", an error line
+                continue
+        return out
+
+    @classmethod
+    def summary(cls, text: str, start: datetime, end: datetime) -> dict | None:
+        """Medians of the SM clock and power and the maximum temperature between start and end."""
+        inside = [v for t, v in cls.samples(text) if start <= t <= end]
+        if not inside:
+            return None
+        col = list(zip(*inside))
+        return dict(sm_mhz=statistics.median(col[0]), max_mhz=max(col[1]), watts=statistics.median(col[2]),
+                    limit_w=max(col[3]), temp_c=max(col[4]), n=len(inside))
 
 
 def parse_spec(spec: str, dry: bool) -> tuple[str, str, str | None]:
@@ -172,16 +242,20 @@ def command(run: Run, args, workdir: Path) -> tuple[list[str], dict]:
 def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
     cmd, env = command(run, args, workdir)
     start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-        rc = "timeout"
+    with GpuSampler() as sampler:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+            text, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            text = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            rc = "timeout"
     run.seconds = time.monotonic() - start
     if log_dir is not None:
         (log_dir / f"{run.name.replace(':', '_')}.log").write_text(text)
     run.steps, run.opt_ms = parse_log(text)
+    when = step_times(text)
+    if args.warmup in when and when and max(when) > args.warmup:
+        run.gpu = GpuSampler.summary(sampler.text, when[args.warmup], when[max(when)])
     if rc != 0:
         oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
         run.error = "out of memory" if oom else f"exit {rc}: {_failure_line(text)}"
@@ -209,17 +283,21 @@ def run_spec(spec: str, args, workdir: Path, log_dir: Path | None) -> list[Run]:
 
 
 def table(runs: list[Run], warmup: int) -> str:
-    rows = ["| run | tokens/s | TFLOP/s | MFU % | peak GiB | optimizer ms (share) | note |", "|---|---|---|---|---|---|---|"]
+    rows = ["| run | tokens/s | TFLOP/s | MFU % | peak GiB | optimizer ms (share) | SM MHz (max), W (limit), °C | note |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r.error and not r.steps:
-            rows.append(f"| {r.name} | – | – | – | – | – | {r.error} |")
+            rows.append(f"| {r.name} | – | – | – | – | – | – | {r.error} |")
             continue
+        g = r.gpu
+        gpu = (f"{g['sm_mhz']:.0f} ({g['max_mhz']:.0f}), {g['watts']:.0f} ({g['limit_w']:.0f}), {g['temp_c']:.0f}"
+               if g else "–")
         tps = r.median("tps", warmup)
         opt = statistics.median(r.opt_ms[warmup:]) if len(r.opt_ms) > warmup else float("nan")
         step_ms = 1e3 * (r.global_batch or r.batch) * r.seq / tps if tps == tps and tps > 0 else float("nan")
         share = 100 * opt / step_ms if step_ms == step_ms else float("nan")
         rows.append(f"| {r.name} | {tps:,.0f} | {r.median('tflops', warmup):.1f} | {r.median('mfu', warmup):.1f} | "
-                    f"{r.peak_gib():.1f} | {opt:.1f} ({share:.1f} %) | {r.error} |")
+                    f"{r.peak_gib():.1f} | {opt:.1f} ({share:.1f} %) | {gpu} | {r.error} |")
     hymo = [r for r in runs if r.is_hymo and r.steps]
     peers = [r for r in runs if not r.is_hymo and r.steps]
     if hymo and peers:

@@ -26,6 +26,27 @@ def test_parse_log_reads_titans_step_lines_and_the_timer():
     assert opt == [12.5]
 
 
+SMI = """\
+2026/12/01 10:02:37.900, 1980, 1980, 650.10, 700.00, 60
+2026/12/01 10:02:38.400, 1755, 1980, 699.50, 700.00, 71
+[N/A]
+2026/12/01 10:02:39.000, 1740, 1980, 700.20, 700.00, 73
+2026/12/01 10:02:39.900, 1770, 1980, 698.00, 700.00, 72
+2026/12/01 10:02:40.500, 1980, 1980, 120.00, 700.00, 65
+"""
+
+
+def test_gpu_samples_summarised_over_the_timed_steps_only():
+    when = train_bench.step_times(LOG)
+    assert sorted(when) == [7, 8] and (when[8] - when[7]).total_seconds() == pytest.approx(1.831)
+    g = train_bench.GpuSampler.summary(SMI, when[7], when[8])
+    # the three samples between steps 7 and 8; the idle ones before and after are left out
+    assert g == dict(sm_mhz=1755.0, max_mhz=1980.0, watts=699.5, limit_w=700.0, temp_c=73.0, n=3)
+    assert train_bench.GpuSampler.summary(SMI, when[8], when[8]) is None
+    run = train_bench.Run("dsv3_8", 4, "none", steps=train_bench.parse_log(LOG)[0], gpu=g)
+    assert "| 1755 (1980), 700 (700), 73 |" in train_bench.table([run], warmup=7)
+
+
 @pytest.mark.parametrize("spec, dry, message", [
     ("nope:4", False, "bad run spec"), ("hymo_750m:0", False, "bad batch"), ("hymo_750m:4:some", False,
                                                                               "bad activation checkpointing"),

@@ -1,7 +1,7 @@
 """Gated RMSNorm in Triton: y = RMSNorm(o) ⊙ w ⊙ SiLU(gate) per row of V values (fla's FusedRMSNormGated).
 
-Math in fp32, one program per block of rows. The forward also returns each row's 1/rms (fp32),
-the one thing the backward needs beyond its inputs; the backward gives do, dgate and dw (dw as
+Math in fp32, one program per block of rows. The backward recomputes each row's 1/rms from o,
+which it loads anyway, so nothing but the inputs is kept for it; it gives do, dgate and dw (dw as
 fp32 per-program partial sums, then one sum: no atomics, so results do not depend on scheduling).
 """
 
@@ -13,7 +13,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _gnorm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, rstd_ptr, N, eps, V: tl.constexpr, BR: tl.constexpr):
+def _rstd(o, eps, V: tl.constexpr):
+    """1/rms of each row of the fp32 tile o: the forward's and the backward's, the same expression."""
+    return 1.0 / tl.sqrt(tl.sum(o * o, 1) / V + eps)
+
+
+@triton.jit
+def _gnorm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, N, eps, V: tl.constexpr, BR: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.arange(0, V)
     m = (r < N)[:, None]
@@ -21,14 +27,12 @@ def _gnorm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, rstd_ptr, N, eps, V: tl.conste
     o = tl.load(o_ptr + off, mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + c).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(o * o, 1) / V + eps)
-    y = o * rstd[:, None] * w[None, :] * (g * tl.sigmoid(g))
+    y = o * _rstd(o, eps, V)[:, None] * w[None, :] * (g * tl.sigmoid(g))
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
-    tl.store(rstd_ptr + r, rstd, mask=r < N)
 
 
 @triton.jit
-def _gnorm_bwd_kernel(o_ptr, g_ptr, w_ptr, rstd_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, N, V: tl.constexpr,
+def _gnorm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, N, eps, V: tl.constexpr,
                       BR: tl.constexpr):
     pid = tl.program_id(0)
     r = pid * BR + tl.arange(0, BR)
@@ -39,7 +43,7 @@ def _gnorm_bwd_kernel(o_ptr, g_ptr, w_ptr, rstd_ptr, dy_ptr, do_ptr, dg_ptr, dw_
     g = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + c).to(tl.float32)
-    rstd = tl.load(rstd_ptr + r, mask=r < N, other=0.0)
+    rstd = _rstd(o, eps, V)  # rows past N: o = 0, so rstd = 1/√eps, finite, and nothing is stored
     sig = tl.sigmoid(g)
     s = g * sig
     n = o * rstd[:, None]
@@ -65,18 +69,19 @@ def _rows(o: torch.Tensor, gate: torch.Tensor, w: torch.Tensor):
 
 
 def gated_norm_fwd(o, gate, w, eps: float):
+    """y = RMSNorm(o) ⊙ w ⊙ SiLU(gate), in o's dtype."""
     N, V = _rows(o, gate, w)
     y = torch.empty_like(o)
-    rstd = torch.empty(N, dtype=torch.float32, device=o.device)
-    _gnorm_fwd_kernel[(triton.cdiv(N, _BR),)](o, gate, w, y, rstd, N, eps, V=V, BR=_BR, num_warps=4)
-    return y, rstd
+    _gnorm_fwd_kernel[(triton.cdiv(N, _BR),)](o, gate, w, y, N, eps, V=V, BR=_BR, num_warps=4)
+    return y
 
 
-def gated_norm_bwd(o, gate, w, rstd, dy):
+def gated_norm_bwd(o, gate, w, eps: float, dy):
+    """(do, dgate, dw) for the forward's inputs and eps and the output gradient dy."""
     N, V = _rows(o, gate, w)
     dy = dy.contiguous()
     do, dg = torch.empty_like(o), torch.empty_like(gate)
     P = triton.cdiv(N, _BR)
     dw = torch.empty(P, V, dtype=torch.float32, device=o.device)
-    _gnorm_bwd_kernel[(P,)](o, gate, w, rstd, dy, do, dg, dw, N, V=V, BR=_BR, num_warps=4)
+    _gnorm_bwd_kernel[(P,)](o, gate, w, dy, do, dg, dw, N, eps, V=V, BR=_BR, num_warps=4)
     return do, dg, dw.sum(0).to(w.dtype)

@@ -5,9 +5,9 @@ gated delta rule with q and k L2-normalised inside the kernels. It saves the pro
 the conv reads anyway), the decay g and β, and the kernel's own saved states; the conv outputs
 (the kernel's q, k, v) live only inside the forward and are recomputed in the backward.
 
-``gated_norm_linear``: RMSNorm(o) ⊙ w ⊙ SiLU(gate), then the output projection. It saves o, gate
-and 1/rms per row, never the normalised product: the backward recomputes it for the weight
-gradient.
+``gated_norm_linear``: RMSNorm(o) ⊙ w ⊙ SiLU(gate), then the output projection. It saves o and
+gate only, never the normalised product or 1/rms per row: the backward recomputes both (the
+product for the weight gradient).
 
 With ``keep=True`` each op also keeps what it would otherwise recompute in the backward (the
 conv outputs; the normalised product), trading memory for the recompute's time.
@@ -152,48 +152,47 @@ def conv_gated_delta_rule(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k: int,
 
 @torch.library.custom_op("hymo_kernels::gated_norm_linear_fwd", mutates_args=())
 def gated_norm_linear_fwd(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor,
-                          eps: float, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (out, 1/rms per row, the normalised product y); ``keep``: the backward reads y
-    instead of recomputing it."""
-    y, rstd = gated_norm_fwd(o, gate, norm_w, eps)
-    return F.linear(y.view(*o.shape[:2], -1), out_w), rstd, y
+                          eps: float, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, the normalised product y); ``keep``: the backward reads y instead of
+    recomputing it."""
+    y = gated_norm_fwd(o, gate, norm_w, eps)
+    return F.linear(y.view(*o.shape[:2], -1), out_w), y
 
 
 @gated_norm_linear_fwd.register_fake
 def _(o, gate, norm_w, out_w, eps, keep=False):
-    return (o.new_empty(*o.shape[:2], out_w.shape[0]), o.new_empty(o.numel() // o.shape[-1], dtype=torch.float32),
-            torch.empty_like(o))
+    return o.new_empty(*o.shape[:2], out_w.shape[0]), torch.empty_like(o)
 
 
 @torch.library.custom_op("hymo_kernels::gated_norm_linear_bwd", mutates_args=())
 def gated_norm_linear_bwd(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor,
-                          rstd: torch.Tensor, dout: torch.Tensor, eps: float, y: torch.Tensor | None = None
+                          dout: torch.Tensor, eps: float, y: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if y is None:
-        y, _ = gated_norm_fwd(o, gate, norm_w, eps)  # recomputed: the forward did not keep it
+        y = gated_norm_fwd(o, gate, norm_w, eps)  # recomputed: the forward did not keep it
     y2 = y.view(-1, out_w.shape[1])
     d2 = dout.reshape(-1, out_w.shape[0])
     dout_w = d2.t() @ y2
     dy = (d2 @ out_w).view(o.shape)
-    do, dgate, dnorm_w = gated_norm_bwd(o, gate, norm_w, rstd, dy)
+    do, dgate, dnorm_w = gated_norm_bwd(o, gate, norm_w, eps, dy)
     return do, dgate, dnorm_w, dout_w
 
 
 @gated_norm_linear_bwd.register_fake
-def _(o, gate, norm_w, out_w, rstd, dout, eps, y=None):
+def _(o, gate, norm_w, out_w, dout, eps, y=None):
     return torch.empty_like(o), torch.empty_like(gate), torch.empty_like(norm_w), torch.empty_like(out_w)
 
 
 def _gnl_setup(ctx, inputs, output):
     o, gate, norm_w, out_w, eps, keep = inputs
-    ctx.save_for_backward(o, gate, norm_w, out_w, output[1], output[2] if keep else None)
+    ctx.save_for_backward(o, gate, norm_w, out_w, output[1] if keep else None)
     ctx.eps = eps
     ctx.set_materialize_grads(False)
 
 
-def _gnl_backward(ctx, dout, _drstd, _dy):
-    o, gate, norm_w, out_w, rstd, y = ctx.saved_tensors
-    do, dgate, dnorm_w, dout_w = gated_norm_linear_bwd(o, gate, norm_w, out_w, rstd, dout, ctx.eps, y)
+def _gnl_backward(ctx, dout, _dy):
+    o, gate, norm_w, out_w, y = ctx.saved_tensors
+    do, dgate, dnorm_w, dout_w = gated_norm_linear_bwd(o, gate, norm_w, out_w, dout, ctx.eps, y)
     return do, dgate, dnorm_w, dout_w, None, None
 
 

@@ -113,8 +113,8 @@ def test_gated_norm(shape, nan_poison):
     ref = gated_rms_norm(orr, gr, wr, 1e-6)
     dy = torch.randn_like(ref)
     ref.backward(dy)
-    y, rstd = gated_norm_fwd(o, gate, w, 1e-6)
-    do, dg, dw = gated_norm_bwd(o, gate, w, rstd, dy.float())
+    y = gated_norm_fwd(o, gate, w, 1e-6)
+    do, dg, dw = gated_norm_bwd(o, gate, w, 1e-6, dy.float())
     assert rel(y, ref) < 1e-6
     assert rel(do, orr.grad) < 1e-6 and rel(dg, gr.grad) < 1e-6 and rel(dw, wr.grad) < 1e-6
 
@@ -193,6 +193,23 @@ def test_fused_mixer_keeping_its_outputs_changes_nothing(lengths, nan_poison):
     (out0, g0), (out1, g1) = results
     assert torch.equal(out0, out1)
     assert all(torch.equal(g0[n], g1[n]) for n in g0), [n for n in g0 if not torch.equal(g0[n], g1[n])]
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
+def test_gated_norm_linear_keeps_only_its_inputs(keep):
+    """The gated norm + output projection saves o, gate and the two weights for its backward
+    (and, with keep, the normalised product): no per-row statistics."""
+    a = {n: t.float().requires_grad_() for n, t in mixer_inputs(1, 37, 2, 16, 16, 24).items()}
+    o = torch.randn(1, 37, 2, 16, device=DEV, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = gated_norm_linear(o, a["gate"], a["nw"], a["ow"], 1e-6, keep=keep)
+    expected = [o, a["gate"].view(o.shape), a["nw"], a["ow"]]
+    assert len(saved) == len(expected) + keep
+    for s, e in zip(saved, expected):
+        assert s.shape == e.shape and torch.equal(s, e)
+    out.sum().backward()
+    assert o.grad is not None and a["nw"].grad is not None
 
 
 def mixer_fused_path(a, H, K, V, positions, cu_seqlens, bwd_path):
