@@ -68,6 +68,9 @@ class HymoModelArgs:
     qk_rope_head_dim: int = 32  # k_rope is one such slice per token, shared by all heads
     v_head_dim: int = 128
     rope_theta: float = 10_000.0
+    # flex attention's kernel_options for the GPU's packed (document-masked) path, as
+    # KEY=VALUE[,KEY=VALUE...] (parse_flex_options); "": Inductor's defaults for the GPU
+    mla_flex_options: str = ""
 
     # MoE (on MLA blocks)
     moe_num_experts: int = 16
@@ -138,6 +141,7 @@ class HymoModelArgs:
         if self.gdn_dot_precision != "table" and self.gdn_backend != "triton":
             raise ValueError(f"gdn_dot_precision = {self.gdn_dot_precision!r} sets the Triton kernel's dots; "
                              f"gdn_backend is {self.gdn_backend!r} (use \"table\", or gdn_backend = \"triton\")")
+        parse_flex_options(self.mla_flex_options)  # raises on a malformed spec
         if self.gdn_bwd_path not in GDN_BWD_PATHS:
             raise ValueError(f"unknown gdn_bwd_path {self.gdn_bwd_path!r}; choose one of {list(GDN_BWD_PATHS)}")
         if self.gdn_mixer_saves not in GDN_MIXER_SAVES:
@@ -195,7 +199,8 @@ class HymoModelArgs:
 
         Takes the longest sequence run (``training.seq_len``, ``validation.seq_len``) as
         ``max_seq_len`` and applies the ``[hymo]`` knobs that name model fields (``vocab_size``,
-        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``, ``gdn_mixer_saves``, ``fused_loss_chunk``,
+        ``gdn_backend``, ``gdn_dot_precision``, ``gdn_bwd_path``, ``gdn_mixer_saves``, ``mla_flex_options``,
+        ``fused_loss_chunk``,
         ``mup_base_width``; 0, "flavor" or -1 keeps the flavor's), then validates. A pure function of the config: it
         reads no file and probes no device. The tokenizer's vocabulary and whether the machine
         can run the backend are settled before the Trainer starts (``hymo_recipes.titan.preflight``).
@@ -216,6 +221,8 @@ class HymoModelArgs:
             for name in ("gdn_backend", "gdn_dot_precision", "gdn_bwd_path", "gdn_mixer_saves"):
                 if getattr(hymo, name) != "flavor":
                     setattr(self, name, getattr(hymo, name))
+            if getattr(hymo, "mla_flex_options", "flavor") != "flavor":
+                self.mla_flex_options = hymo.mla_flex_options
             if getattr(hymo, "fused_loss_chunk", -1) >= 0:  # -1 keeps the flavor's
                 self.fused_loss_chunk = hymo.fused_loss_chunk
             if getattr(hymo, "mup_base_width", -1) >= 0:  # -1 keeps the flavor's
@@ -231,6 +238,25 @@ class HymoModelArgs:
 
         counts = count_params(model, self)
         return counts.stored, training_flops_per_token(self, counts, seq_len)
+
+
+def parse_flex_options(spec: str) -> dict[str, int | bool]:
+    """Flex attention's ``kernel_options`` from ``KEY=VALUE[,KEY=VALUE...]`` (integers, and
+    booleans as true/false; e.g. "bwd_num_stages=2,USE_TMA=true"); "" gives {} (Inductor's
+    defaults). Keys prefixed ``fwd_`` / ``bwd_`` address one direction's kernel."""
+    out: dict[str, int | bool] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"flex attention options are KEY=VALUE[,KEY=VALUE...], got {spec!r}")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+            continue
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"flex attention option {key}: {value!r} is neither an integer nor true/false") from None
+    return out
 
 
 def _every(n_layers: int, k: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .init import trunc_normal_
-from .args import HymoModelArgs
+from .args import HymoModelArgs, parse_flex_options
 
 
 def precompute_rope_cache(rope_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -64,15 +64,16 @@ def document_attention_mask(positions: torch.Tensor):
 _compiled_flex = None
 
 
-def _flex_attention(q, k, v, block_mask, scale):
+def _flex_attention(q, k, v, block_mask, scale, kernel_options: dict | None = None):
     """flex_attention compiled (eager flex runs an unfused O(T²) reference); inside a compiled
-    block the call is traced into the block's graph."""
+    block the call is traced into the block's graph. ``kernel_options``: flex attention's tile
+    and launch choices (None: Inductor's defaults for the GPU)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
 
 
 class MLA(nn.Module):
@@ -94,6 +95,7 @@ class MLA(nn.Module):
         self.qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
         self.v_head_dim = args.v_head_dim
         self.use_rope = use_rope
+        self.flex_options = parse_flex_options(args.mla_flex_options) or None  # the GPU's packed path
         # 1/√d; muP (hymo_recipes/mup.py): 1/d, as q·k grows like d once q and k correlate
         self.softmax_scale = 1.0 / self.qk_head_dim if args.mup_base_width else self.qk_head_dim**-0.5
 
@@ -142,7 +144,7 @@ class MLA(nn.Module):
             if isinstance(mask, torch.Tensor):
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)
             else:
-                o = _flex_attention(q, k, v, mask, self.softmax_scale)
+                o = _flex_attention(q, k, v, mask, self.softmax_scale, self.flex_options)
         return self.wo(o.transpose(1, 2).reshape(B, T, -1))
 
     @torch.no_grad()

@@ -52,6 +52,12 @@ class Hymo:
     7.5 GiB more per 8 x 4096-token microbatch; each mixer's fwd+bwd 5 % faster), or "flavor" to
     keep the flavor's. Measured: BENCHMARKS.md. It changes no result, and the PyTorch paths
     (gdn_backend other than "triton") take either value: they keep what autograd keeps."""
+    mla_flex_options: str = "flavor"
+    """Tiles and launch choices of flex attention, the MLA blocks' attention on the GPU with
+    document masking, as its kernel_options: KEY=VALUE[,KEY=VALUE...] with integer or true/false
+    values, e.g. "bwd_num_stages=2,USE_TMA=true" (``fwd_`` / ``bwd_`` keys address one direction's
+    kernel); "" for Inductor's defaults for the GPU, "flavor" to keep the flavor's (the defaults in
+    every shipped flavor). ``python -m benchmarks.attn_bench`` times choices at the 750m shape."""
     fused_loss_chunk: int = -1
     """Training's readout and cross-entropy in chunks of this many tokens, each chunk's gradient
     taken in the forward (hymo_recipes/model/linear_ce.py): no head's [batch, seq, vocab] logits

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from hymo_recipes.model import HymoModelArgs, hymo_flavors
+from hymo_recipes.model.args import parse_flex_options
 
 BAD = [
     # (overrides, message fragment)
@@ -39,6 +40,8 @@ BAD = [
     (dict(n_layers=8, mla_layers=(7, 3)), "strictly increasing"),
     (dict(n_layers=8, mla_layers=(3, 7), nope_layers=(2,)), "nope_layers .* subset of mla_layers"),
     (dict(norm_eps=0.0), "norm_eps must be positive"),
+    (dict(mla_flex_options="bwd_num_stages"), "flex attention options are KEY=VALUE"),
+    (dict(mla_flex_options="fwd_BLOCK_M=big"), "fwd_BLOCK_M: 'big' is neither an integer nor true/false"),
 ]
 
 
@@ -94,6 +97,17 @@ def test_update_from_config_takes_the_longest_seq_len_and_the_hymo_vocab_size():
     assert hymo_flavors["debugmodel"].vocab_size == 2048  # the flavor table is untouched by the copy
     args.update_from_config(_job_config(128))  # vocab_size 0 keeps what the args have
     assert (args.max_seq_len, args.vocab_size) == (128, 301)
+
+
+def test_update_from_config_takes_the_flex_options_unless_flavor():
+    args = dataclasses.replace(hymo_flavors["debugmodel"])
+    args.update_from_config(_job_config(128, mla_flex_options="bwd_num_stages=2, USE_TMA=true"))
+    assert args.mla_flex_options == "bwd_num_stages=2, USE_TMA=true"
+    assert parse_flex_options(args.mla_flex_options) == {"bwd_num_stages": 2, "USE_TMA": True}
+    args.update_from_config(_job_config(128, mla_flex_options="flavor"))
+    assert args.mla_flex_options == "bwd_num_stages=2, USE_TMA=true"  # "flavor" keeps what the args have
+    args.update_from_config(_job_config(128, mla_flex_options=""))
+    assert args.mla_flex_options == "" and parse_flex_options("") == {}
 
 
 def test_update_from_config_reads_no_file_and_probes_no_device(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hymo_kernels.gdn.naive import naive_recurrent_gated_delta_rule
 from hymo_recipes.model import gdn as gdn_module
+from hymo_recipes.model import mla as mla_module
 from hymo_recipes.model.gdn import GatedDeltaNet, short_causal_conv
 from hymo_recipes.model.mla import MLA, apply_rope, document_causal_mask, precompute_rope_cache
 from hymo_recipes.model.model import GDNBlock, MLABlock, positions_in_documents
@@ -133,6 +134,26 @@ def test_gdn_mixer_saves_reaches_the_fused_ops(tiny_args, monkeypatch, saves, ke
     monkeypatch.setattr(gdn_module, "gated_norm_linear", norm_spy)
     layer(torch.randn(1, 9, 64))
     assert seen == [("conv", keep), ("norm", keep)]
+
+
+@pytest.mark.parametrize("spec, options", [("", None), ("bwd_num_stages=2,USE_TMA=true",
+                                                           {"bwd_num_stages": 2, "USE_TMA": True})])
+def test_mla_flex_options_reach_flex_attention(tiny_args, monkeypatch, spec, options):
+    """mla_flex_options become flex attention's kernel_options on the packed path (None: the defaults)."""
+    attn = MLA(tiny_args(mla_flex_options=spec))
+    attn.init_weights(0.02, 0.01)
+    seen = []
+
+    def flex_spy(q, k, v, block_mask, scale, kernel_options=None):
+        seen.append((block_mask, kernel_options))
+        return torch.zeros(*q.shape[:3], v.shape[-1])
+
+    monkeypatch.setattr(mla_module, "_flex_attention", flex_spy)
+    block_mask = object()  # not a tensor: the GPU's BlockMask path
+    T = 9
+    attn(torch.randn(1, T, 64), precompute_rope_cache(attn.qk_rope_head_dim, T, 10_000.0),
+         positions=positions_in_documents(torch.tensor([0, 4, T]), T), attn_mask=block_mask)
+    assert seen == [(block_mask, options)]
 
 
 def test_gdn_backends_agree_through_the_layer(tiny_args):
