@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import HymoModelArgs
-from .grouped_mm import grouped_swiglu
+from .grouped_mm import gather_rows, grouped_swiglu
 from .init import trunc_normal_
 from .recompute import ProductRecompute, keep_matmuls
 
@@ -92,18 +92,21 @@ class GroupedExperts(ProductRecompute, nn.Module):
         self.mixed_precision = mixed_precision
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                capacity: int | None = None, assignments: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts on rows ``rows`` [M] of x [N, dim], sorted by expert (num_tokens_per_expert
         [E] summing to M) -> (out [R, dim] in x's dtype, at [M]): out[at[s]] is the output of
         x[rows[s]]; with ``capacity``, only the first ``capacity`` rows of each expert's group
         are computed and the others get at[s] = -1. The grouped GEMMs leave their outputs in their
         padded layout (R rows), so that the caller gathers each token's outputs once; the loop's
-        are in order (at = s for a computed row)."""
+        are in order (at = s for a computed row). ``assignments`` [N, k]: where in ``rows`` each
+        row of x's assignments sit, which lets the grouped path gather x's gradient
+        (``grouped_mm.grouped_swiglu``)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
         dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
         if self.use_grouped_mm and x.is_cuda and dtype == torch.bfloat16:
             return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert, capacity,
-                                  recompute_products=self.recompute_products)
+                                  recompute_products=self.recompute_products, assignments=assignments)
         out, at = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), num_tokens_per_expert,
                              capacity)
         return out.to(x.dtype), at
@@ -214,12 +217,17 @@ class MoE(nn.Module):
 
         # A dropped assignment is never computed (the experts skip the rows past capacity); its
         # output reads as zero. Shapes stay fixed by N, k and E: no host sync, compile-friendly.
-        routed, at = self.experts(xf, token[order], counts, capacity)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(N * k, device=x.device)
-        at = at[unsort].view(N, k)
-        # each token's k outputs, in one gather; a dropped one's (at -1) zeroed in the same expression
-        routed = torch.where(at[..., None] >= 0, routed[at.clamp_min(0)], 0)
+        routed, at = self.experts(xf, token[order], counts, capacity, assignments=unsort.view(N, k))
+        at = at[unsort]  # the expert output row of each token's assignments, -1 for a dropped one
+        # each token's k outputs, in one gather; a dropped one's (at -1) zeroed in the same
+        # expression; backward, each output row takes the gradient of the one assignment that
+        # read it (readers: the inverse of at; a row no assignment read, padding, takes zero)
+        R = routed.shape[0]
+        readers = torch.full((R + 1,), -1, dtype=at.dtype, device=x.device).scatter_(
+            0, torch.where(at >= 0, at, R), torch.arange(N * k, device=x.device))[:R, None]
+        routed = gather_rows(routed, at, readers).view(N, k, -1)
         # the weighted sum over a token's k outputs as one elementwise-and-sum (fused by the
         # compiler; a [1, k] x [k, D] bmm per token runs as a batched gemv, far slower)
         out = (weights[..., None] * routed.float()).sum(1).to(x.dtype)

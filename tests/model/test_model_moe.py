@@ -267,6 +267,61 @@ def test_grouped_experts_gather_their_rows_once_and_match_the_loop(counts):
     assert grads[0][rows.unique()].abs().sum() > 0
 
 
+def test_gather_rows_backward_gathers_what_a_scatter_would_sum():
+    """gather_rows: the plain indexed gather's values, and through the inverse map the same input
+    gradient that autograd's scatter-add gives (rows read 0-3 times, zero rows at src -1)."""
+    from hymo_recipes.model.grouped_mm import gather_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 5, dtype=torch.float64)
+    src = torch.tensor([3, -1, 0, 3, 6, 3, 0, -1, 2])
+    readers = torch.full((7, 3), -1)
+    for r in range(7):
+        users = (src == r).nonzero().flatten()
+        readers[r, :len(users)] = users
+    dout = torch.randn(len(src), 5, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain = torch.where((src >= 0)[:, None], xa[src.clamp_min(0)], 0)
+    ours = gather_rows(xb, src, readers)
+    assert torch.equal(plain, ours)
+    plain.backward(dout)
+    ours.backward(dout)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-12, atol=1e-12)
+    assert xb.grad[[1, 4, 5]].abs().sum() == 0 and xb.grad[3].abs().sum() > 0  # rows no one read
+
+
+@pytest.mark.parametrize("capacity", [None, 5])
+def test_grouped_experts_gather_the_tokens_gradient_through_their_assignments(capacity):
+    """grouped_swiglu with the MoE's ``assignments`` (each token's positions in the sorted rows:
+    ``unsort``, as MoE.forward builds it) gives x the gradient it gets without them, values,
+    x's and the weights' gradients alike, dropped assignments included."""
+    from hymo_recipes.model.grouped_mm import grouped_swiglu
+
+    torch.manual_seed(0)
+    N, k, E = 13, 2, 4
+    x = torch.randn(N, 16).bfloat16()
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])  # each token's k distinct experts
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat * N + torch.arange(N * k) // k)
+    token = torch.arange(N * k) // k
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(N * k)
+    counts = torch.zeros(E, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
+    w = [(torch.randn(E, 24, 16) * 0.2).bfloat16(), (torch.randn(E, 16, 24) * 0.2).bfloat16(),
+         (torch.randn(E, 24, 16) * 0.2).bfloat16()]
+    cot = torch.randn(N * k, 16)
+    results = []
+    for assignments in (None, unsort.view(N, k)):
+        xg, wg = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in w]
+        out, at = grouped_swiglu(*wg, xg, token[order], counts, capacity, assignments=assignments)
+        read = torch.where((at >= 0)[:, None], out[at.clamp_min(0)], 0)
+        (read.float() * cot).sum().backward()
+        results.append((read.detach(), xg.grad, *(t.grad for t in wg)))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert results[1][1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("capacity", [3, 8, 100])
 def test_the_layout_holds_only_the_assignments_the_capacity_keeps(capacity):
     """padded_indices with a capacity: the first ``capacity`` rows of each expert's group get a
