@@ -177,7 +177,7 @@ def _probe_copy(module, dtype, memo=None):
     return m
 
 
-def _probe_experts(self, x, rows, num_tokens_per_expert, capacity=None):
+def _probe_experts(self, x, rows, num_tokens_per_expert, capacity=None, assignments=None):
     """GroupedExperts.forward on meta tensors as it runs on a GPU: torch._grouped_mm for bf16
     (its shapes are fixed by the token and expert counts), else the per-expert loop, here over an
     even split of the rows: the loop's saved tensors hold each expert's rows, so their bytes are
@@ -191,7 +191,7 @@ def _probe_experts(self, x, rows, num_tokens_per_expert, capacity=None):
     dtype = w1.dtype if self.mixed_precision else torch.promote_types(x.dtype, w1.dtype)
     if self.use_grouped_mm and dtype == torch.bfloat16:
         return grouped_swiglu(w1, w2, w3, x, rows, num_tokens_per_expert,
-                              recompute_products=self.recompute_products)
+                              recompute_products=self.recompute_products, assignments=assignments)
     E, M = self.num_experts, rows.shape[0]
     even = torch.tensor([M // E + (e < M % E) for e in range(E)])
     out, at = self._loop(x[rows].to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), even)
