@@ -9,16 +9,22 @@ The input is what one 750m microbatch hands an MLA block's attention in training
 row of 8 sequences of 4,096 tokens, each sequence cut into documents of 500-6,000 tokens (a
 fixed draw; a sequence always starts a document, as the loader's rows do), 16 query heads on
 4 KV groups, q/k head dim 128 (96 + 32 rope), v head dim 128, bf16, the MLA's softmax scale,
-causal attention inside each document. The q, k, v tensors are the transposed [1, T, heads, d]
-views the model hands flex attention.
+causal attention inside each document. q, k and v are transposed [1, T, heads, d] tensors as
+the model hands flex attention (the model's k and v are slices of wider projections).
 
-Rows (fwd and fwd+bwd ms: median of ``triton.testing.do_bench``; the host clock in the dry mode):
+Rows (fwd and fwd+bwd ms: median of ``triton.testing.do_bench``, the forward with autograd
+recording as in training, the backward through ``torch.autograd.grad`` so that no gradient
+accumulates between calls; the host clock in the dry mode). Each variant compiles afresh
+(Dynamo's caches reset before it): no variant reuses another's compiled tiles or falls back to
+eager flex attention at the recompile limit:
 
 - ``flex, defaults``: the model's path (``hymo_recipes.model.mla``: ``document_attention_mask``'s
   BlockMask, ``flex_attention`` compiled), with Inductor's default tiles for this GPU;
 - ``flex, OPTIONS``: the same with each ``--options`` entry as ``kernel_options`` (comma-separated
   KEY=VALUE; ``fwd_`` / ``bwd_`` prefixes address one direction's kernel, e.g. ``fwd_BLOCK_M``,
-  ``bwd_BLOCK_N1``, ``bwd_num_stages``, ``USE_TMA``): what ``[hymo] mla_flex_options`` takes;
+  ``bwd_BLOCK_N1``, ``bwd_num_stages``, ``USE_TMA``): what ``[hymo] mla_flex_options`` takes
+  (an option flex cannot honour, e.g. ``USE_TMA`` on inputs TMA cannot load, falls back to the
+  defaults inside flex: such a row then times the defaults);
 - ``varlen_attn (FlashAttention 2)``: ``torch.nn.attention.varlen.varlen_attn`` on the packed
   [T, heads, d] layout with the documents' cumulative lengths (GPU, when torch has it; the KV
   groups expanded to the query heads where it has no GQA, that copy timed with it).
@@ -130,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no GPU here: pass --dry for the CPU code paths")
     if args.dry:
         args.rows, args.seq, args.heads, args.kv_heads, args.qk_dim, args.v_dim = 2, 64, 4, 2, 16, 16
-        args.options = args.options[:1]
+    for name in ("rows", "seq", "heads", "kv_heads", "qk_dim", "v_dim"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.heads % args.kv_heads:
         ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -170,12 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         return [o.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
 
     def timed(fn):
-        def fwd():
-            with torch.no_grad():
-                fn(q, k, v)
+        def fwd():  # autograd records, as in training; the output and its graph are dropped
+            fn(q, k, v)
 
         def both():
-            fn(q, k, v).backward(do)
+            torch.autograd.grad(fn(q, k, v), (q, k, v), do)
 
         return bench(fwd), (bench(both) if grad else float("nan"))
 
@@ -190,13 +197,21 @@ def main(argv: list[str] | None = None) -> int:
         variants.append(("varlen_attn (FlashAttention 2)", varlen_call(varlen_attn, cu, max(lengths), scale)))
 
     flops_fwd, flops_bwd = attention_flops(lengths, args.heads, args.qk_dim, args.v_dim)
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True  # never time eager flex unawares
     rows, reference = [], None
     for name, fn in variants:
         start = time.monotonic()
+        # each variant compiles afresh: Dynamo may guard kernel_options by their keys alone (a
+        # variant would reuse another's tiles), and past its recompile limit flex runs eagerly
+        torch._dynamo.reset()
         try:
             got = outputs(fn)
         except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a row that says so
             log(f"{name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+            if reference is None:
+                log("FAILED: the defaults did not run, so there is nothing to compare with")
+                return 1
             rows.append((name, float("nan"), float("nan"), float("nan"), "failed"))
             continue
         if reference is None:

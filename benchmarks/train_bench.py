@@ -144,31 +144,44 @@ def step_times(text: str) -> dict[int, datetime]:
 
 
 class GpuSampler:
-    """``nvidia-smi`` sampling the first visible GPU's clocks, power and temperature in the
-    background while a run trains (nothing where there is no ``nvidia-smi``)."""
+    """``nvidia-smi`` sampling a GPU's clocks, power and temperature in the background while a
+    run trains, into a temporary file (a pipe read only at the end would fill and stall it);
+    nothing where there is no ``nvidia-smi``. The GPU is the first entry of
+    CUDA_VISIBLE_DEVICES, else 0, as nvidia-smi numbers them (the runs here use one GPU)."""
 
     def __init__(self, interval_ms: int = 250):
         self.interval_ms = interval_ms
         self.proc = None
+        self.out = None
         self.text = ""
 
     def __enter__(self):
         smi = shutil.which("nvidia-smi")
         if smi is not None:
             gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+            self.out = tempfile.TemporaryFile(mode="w+")
             self.proc = subprocess.Popen([smi, "-i", gpu, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits",
-                                          f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE,
+                                          f"--loop-ms={self.interval_ms}"], stdout=self.out,
                                          stderr=subprocess.STDOUT, text=True)
         return self
 
     def __exit__(self, *exc):
-        if self.proc is not None:
-            self.proc.terminate()
-            self.text = self.proc.communicate(timeout=10)[0]
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.seek(0)
+        self.text = self.out.read()
+        self.out.close()
 
     @staticmethod
     def samples(text: str) -> list[tuple[datetime, list[float]]]:
-        """(time, [SM MHz, max SM MHz, W, W limit, °C]) per well-formed line."""
+        """(time, [SM MHz, max SM MHz, W, W limit, °C]) per line with a timestamp and five
+        fields; a field nvidia-smi cannot read ("[N/A]") is NaN."""
         out = []
         for line in text.splitlines():
             parts = [p.strip() for p in line.split(",")]
@@ -176,20 +189,32 @@ class GpuSampler:
                 continue
             try:
                 when = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
-                out.append((when, [float(p) for p in parts[1:]]))
-            except ValueError:  # a header, "[N/A]", an error line
+            except ValueError:  # a header or an error line
                 continue
+            values = []
+            for p in parts[1:]:
+                try:
+                    values.append(float(p))
+                except ValueError:
+                    values.append(float("nan"))
+            out.append((when, values))
         return out
 
     @classmethod
     def summary(cls, text: str, start: datetime, end: datetime) -> dict | None:
-        """Medians of the SM clock and power and the maximum temperature between start and end."""
+        """Medians of the SM clock and power and the maximum temperature between start and end
+        (each over the samples that read it; NaN where none did); None without samples there."""
         inside = [v for t, v in cls.samples(text) if start <= t <= end]
         if not inside:
             return None
-        col = list(zip(*inside))
-        return dict(sm_mhz=statistics.median(col[0]), max_mhz=max(col[1]), watts=statistics.median(col[2]),
-                    limit_w=max(col[3]), temp_c=max(col[4]), n=len(inside))
+        col = [[x for x in c if x == x] for c in zip(*inside)]
+        nan = float("nan")
+
+        def med(c):
+            return statistics.median(c) if c else nan
+
+        return dict(sm_mhz=med(col[0]), max_mhz=max(col[1], default=nan), watts=med(col[2]),
+                    limit_w=max(col[3], default=nan), temp_c=max(col[4], default=nan), n=len(inside))
 
 
 def parse_spec(spec: str, dry: bool) -> tuple[str, str, str | None]:
@@ -254,8 +279,11 @@ def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
         (log_dir / f"{run.name.replace(':', '_')}.log").write_text(text)
     run.steps, run.opt_ms = parse_log(text)
     when = step_times(text)
-    if args.warmup in when and when and max(when) > args.warmup:
+    if args.warmup in when and max(when) > args.warmup:
         run.gpu = GpuSampler.summary(sampler.text, when[args.warmup], when[max(when)])
+        if run.gpu is None and sampler.proc is not None:
+            first = next((line for line in sampler.text.splitlines() if line.strip()), "no output")
+            print(f"train_bench: {run.name}: no GPU sample in the timed steps (nvidia-smi: {first[:200]})", flush=True)
     if rc != 0:
         oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
         run.error = "out of memory" if oom else f"exit {rc}: {_failure_line(text)}"

@@ -11,12 +11,29 @@ from benchmarks import attn_bench
 pytestmark = pytest.mark.bench
 
 
-def test_dry_run_prints_the_defaults_and_one_variant(capsys):
+def test_dry_run_prints_the_defaults_and_every_variant(capsys):
     assert attn_bench.main(["--dry"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| flex")]
-    assert [r.split("|")[1].strip() for r in rows] == ["flex, defaults", "flex, bwd_num_stages=2"]
+    assert [r.split("|")[1].strip() for r in rows][:2] == ["flex, defaults", "flex, bwd_num_stages=2"]
+    assert len(rows) == 7 and not any("failed" in r for r in rows)
     assert "forward only" in out
+
+
+def test_every_variant_compiles_afresh(capsys):
+    """Dynamo guards flex attention's kernel_options by their keys, not always by their values,
+    so a variant could reuse another's compile; and past Dynamo's recompile limit (8) one would
+    run eager flex attention. Twelve variants, two pairs differing only in values: each is
+    compiled once of its own, none fails."""
+    from torch._dynamo.utils import counters
+
+    options = [f"fwd_num_warps={w},bwd_num_warps={w}" for w in (1, 2, 4, 8)] + \
+              [f"fwd_num_stages={n},bwd_num_stages={n}" for n in (1, 2, 3, 4, 5, 6, 7)]
+    counters.clear()
+    assert attn_bench.main(["--dry", "--options", *options]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| flex")]
+    assert len(rows) == 12 and not any("failed" in r for r in rows)
+    assert counters["frames"]["ok"] == 12
 
 
 def test_a_variant_that_computes_another_attention_fails_the_run(monkeypatch, capsys):

@@ -47,6 +47,35 @@ def test_gpu_samples_summarised_over_the_timed_steps_only():
     assert "| 1755 (1980), 700 (700), 73 |" in train_bench.table([run], warmup=7)
 
 
+def test_gpu_samples_with_an_unreadable_field_keep_the_others():
+    text = "2026/12/01 10:02:38.400, 1755, [N/A], 699.50, [N/A], 71\n2026/12/01 10:02:39.000, 1745, [N/A], 700.50, [N/A], 73\n"
+    g = train_bench.GpuSampler.summary(text, train_bench.datetime(2026, 12, 1, 10, 2, 38),
+                                       train_bench.datetime(2026, 12, 1, 10, 2, 40))
+    assert (g["sm_mhz"], g["watts"], g["temp_c"], g["n"]) == (1750.0, 700.0, 73.0, 2)
+    assert g["max_mhz"] != g["max_mhz"] and g["limit_w"] != g["limit_w"]  # NaN: never read
+
+
+def test_the_sampler_keeps_everything_nvidia_smi_wrote(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi writes ~200 KiB at once, then a last line, then waits to be stopped:
+    the sampler (output into a file, not a pipe that fills at 64 KiB and stalls the writer) has
+    every line, the last included, and stops it."""
+    fake = tmp_path / "nvidia-smi"
+    sample, last = "2026/12/01 10:02:38.400, 1755, 1980, 699.50, 700.00, 71", "2026/12/01 10:02:39.999, 1111, 1980, 100.00, 700.00, 50"
+    fake.write_text(f"#!/usr/bin/env bash\nfor i in $(seq 3500); do echo '{sample}'; done\necho '{last}'\nexec sleep 60\n")
+    everything = 3500 * (len(sample) + 1) + len(last) + 1
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{train_bench.os.environ['PATH']}")
+    with train_bench.GpuSampler() as sampler:
+        deadline = train_bench.time.monotonic() + 20
+        while train_bench.time.monotonic() < deadline:
+            if train_bench.os.fstat(sampler.out.fileno()).st_size >= everything:
+                break
+            train_bench.time.sleep(0.1)
+    assert sampler.proc.poll() is not None  # stopped
+    lines = sampler.text.splitlines()
+    assert len(lines) == 3501 and lines[-1] == last
+
+
 @pytest.mark.parametrize("spec, dry, message", [
     ("nope:4", False, "bad run spec"), ("hymo_750m:0", False, "bad batch"), ("hymo_750m:4:some", False,
                                                                               "bad activation checkpointing"),

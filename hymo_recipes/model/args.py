@@ -12,6 +12,8 @@ scores, group-limited routing, TorchTitan's sign-rule bias update).
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS, GDN_MIXER_SAVES
@@ -240,22 +242,51 @@ class HymoModelArgs:
         return counts.stored, training_flops_per_token(self, counts, seq_len)
 
 
-def parse_flex_options(spec: str) -> dict[str, int | bool]:
-    """Flex attention's ``kernel_options`` from ``KEY=VALUE[,KEY=VALUE...]`` (integers, and
-    booleans as true/false; e.g. "bwd_num_stages=2,USE_TMA=true"); "" gives {} (Inductor's
-    defaults). Keys prefixed ``fwd_`` / ``bwd_`` address one direction's kernel."""
-    out: dict[str, int | bool] = {}
+@functools.cache
+def flex_option_types() -> dict[str, type]:
+    """The kernel_options this torch's flex attention takes and each one's value type (int, bool
+    or str), from its ``FlexKernelOptions``; {} where torch has no such table (then any key is
+    passed on)."""
+    try:
+        from torch.nn.attention.flex_attention import FlexKernelOptions
+    except ImportError:
+        return {}
+    kinds = {"int": int, "bool": bool}
+    out = {}
+    for name, hint in FlexKernelOptions.__annotations__.items():
+        text = getattr(hint, "__forward_arg__", str(hint))
+        m = re.search(r"\[(\w+)\]", text)
+        out[name] = kinds.get(m[1] if m else text, str)
+    return out
+
+
+def parse_flex_options(spec: str) -> dict[str, int | bool | str]:
+    """Flex attention's ``kernel_options`` from ``KEY=VALUE[,KEY=VALUE...]`` (the model arg
+    ``mla_flex_options``; e.g. "bwd_num_stages=2,USE_TMA=true"); "" gives {} (Inductor's
+    defaults). A ``fwd_`` / ``bwd_`` prefix addresses one direction's kernel. Keys and value
+    types are checked against this torch's flex attention (``flex_option_types``): integers,
+    true/false, or a name (``BACKEND``)."""
+    known = flex_option_types()
+    out: dict[str, int | bool | str] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or not key or not value:
-            raise ValueError(f"flex attention options are KEY=VALUE[,KEY=VALUE...], got {spec!r}")
-        if value.lower() in ("true", "false"):
+            raise ValueError(f"mla_flex_options: options are KEY=VALUE[,KEY=VALUE...], got {spec!r}")
+        base = key.removeprefix("fwd_").removeprefix("bwd_")
+        if known and base not in known:
+            raise ValueError(f"mla_flex_options: {key!r} is not a flex attention option of this torch; its options "
+                             f"are {', '.join(sorted(known))} (each may take a fwd_ or bwd_ prefix)")
+        kind = known.get(base) or (bool if value.lower() in ("true", "false") else int if value.lstrip("-").isdigit()
+                                   else str)
+        if kind is bool and value.lower() in ("true", "false"):
             out[key] = value.lower() == "true"
-            continue
-        try:
+        elif kind is int and value.lstrip("-").isdigit():
             out[key] = int(value)
-        except ValueError:
-            raise ValueError(f"flex attention option {key}: {value!r} is neither an integer nor true/false") from None
+        elif kind is str and value.isidentifier():
+            out[key] = value
+        else:
+            wanted = {bool: "true or false", int: "an integer", str: "a name"}[kind]
+            raise ValueError(f"mla_flex_options: {key} takes {wanted}, got {value!r}")
     return out
 
 

@@ -35,6 +35,7 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, dout):
         (readers,) = ctx.saved_tensors
         acc = torch.promote_types(dout.dtype, torch.float32)  # 16-bit gradients summed in fp32
+        # eagerly this makes an [R, m, dim] tensor; compiled, the gather, cast and sum are one kernel
         parts = torch.where((readers >= 0)[..., None], dout[readers.clamp_min(0)].to(acc), 0)
         return parts.sum(1).to(ctx.dtype), None, None
 

@@ -182,7 +182,8 @@ def _probe_experts(self, x, rows, num_tokens_per_expert, capacity=None, assignme
     (its shapes are fixed by the token and expert counts), else the per-expert loop, here over an
     even split of the rows: the loop's saved tensors hold each expert's rows, so their bytes are
     the same for every split (the real one needs the routing's data). Nothing dropped: the
-    capacity is ignored, which counts the most the experts can keep."""
+    capacity is ignored, which counts the most the experts can keep. ``assignments`` goes to the
+    grouped path as the MoE passes it (its inverse map is kept for the backward)."""
     import torch
 
     from hymo_recipes.model.grouped_mm import grouped_swiglu

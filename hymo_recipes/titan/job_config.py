@@ -54,10 +54,12 @@ class Hymo:
     (gdn_backend other than "triton") take either value: they keep what autograd keeps."""
     mla_flex_options: str = "flavor"
     """Tiles and launch choices of flex attention, the MLA blocks' attention on the GPU with
-    document masking, as its kernel_options: KEY=VALUE[,KEY=VALUE...] with integer or true/false
-    values, e.g. "bwd_num_stages=2,USE_TMA=true" (``fwd_`` / ``bwd_`` keys address one direction's
-    kernel); "" for Inductor's defaults for the GPU, "flavor" to keep the flavor's (the defaults in
-    every shipped flavor). ``python -m benchmarks.attn_bench`` times choices at the 750m shape."""
+    document masking, as its kernel_options: KEY=VALUE[,KEY=VALUE...], e.g.
+    "bwd_num_stages=2,USE_TMA=true" (``fwd_`` / ``bwd_`` keys address one direction's kernel; keys
+    and value types, integer, true/false or a name, are checked against the installed torch's
+    flex attention); "" for Inductor's defaults for the GPU, "flavor" to keep the flavor's (the
+    defaults in every shipped flavor). ``python -m benchmarks.attn_bench`` times choices at the
+    750m shape."""
     fused_loss_chunk: int = -1
     """Training's readout and cross-entropy in chunks of this many tokens, each chunk's gradient
     taken in the forward (hymo_recipes/model/linear_ce.py): no head's [batch, seq, vocab] logits

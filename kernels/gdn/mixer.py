@@ -5,9 +5,9 @@ gated delta rule with q and k L2-normalised inside the kernels. It saves the pro
 the conv reads anyway), the decay g and β, and the kernel's own saved states; the conv outputs
 (the kernel's q, k, v) live only inside the forward and are recomputed in the backward.
 
-``gated_norm_linear``: RMSNorm(o) ⊙ w ⊙ SiLU(gate), then the output projection. It saves o and
-gate only, never the normalised product or 1/rms per row: the backward recomputes both (the
-product for the weight gradient).
+``gated_norm_linear``: RMSNorm(o) ⊙ w ⊙ SiLU(gate), then the output projection. Of activations it
+saves o and gate alone (and the two weights), never the normalised product or 1/rms per row:
+the backward recomputes both (the product for the weight gradient).
 
 With ``keep=True`` each op also keeps what it would otherwise recompute in the backward (the
 conv outputs; the normalised product), trading memory for the recompute's time.

@@ -205,7 +205,9 @@ def test_gated_norm_linear_keeps_only_its_inputs(keep):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = gated_norm_linear(o, a["gate"], a["nw"], a["ow"], 1e-6, keep=keep)
     expected = [o, a["gate"].view(o.shape), a["nw"], a["ow"]]
-    assert len(saved) == len(expected) + keep
+    if keep:  # and the normalised product
+        expected.append(gated_norm_fwd(o.detach(), a["gate"].detach().view(o.shape), a["nw"].detach(), 1e-6))
+    assert len(saved) == len(expected)
     for s, e in zip(saved, expected):
         assert s.shape == e.shape and torch.equal(s, e)
     out.sum().backward()

@@ -40,8 +40,10 @@ BAD = [
     (dict(n_layers=8, mla_layers=(7, 3)), "strictly increasing"),
     (dict(n_layers=8, mla_layers=(3, 7), nope_layers=(2,)), "nope_layers .* subset of mla_layers"),
     (dict(norm_eps=0.0), "norm_eps must be positive"),
-    (dict(mla_flex_options="bwd_num_stages"), "flex attention options are KEY=VALUE"),
-    (dict(mla_flex_options="fwd_BLOCK_M=big"), "fwd_BLOCK_M: 'big' is neither an integer nor true/false"),
+    (dict(mla_flex_options="bwd_num_stages"), "mla_flex_options: options are KEY=VALUE"),
+    (dict(mla_flex_options="fwd_BLOCK_M=big"), "mla_flex_options: fwd_BLOCK_M takes an integer, got 'big'"),
+    (dict(mla_flex_options="USE_TMA=3"), "mla_flex_options: USE_TMA takes true or false"),
+    (dict(mla_flex_options="bwd_num_stage=2"), "mla_flex_options: 'bwd_num_stage' is not a flex attention option"),
 ]
 
 

@@ -322,6 +322,34 @@ def test_grouped_experts_gather_the_tokens_gradient_through_their_assignments(ca
     assert results[1][1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("capacity_factor", [0, 1.0, 0.5])
+def test_moe_through_the_grouped_experts_gathers_the_gradients_a_scatter_would(tiny_args, monkeypatch,
+                                                                                capacity_factor):
+    """The whole MoE forward and backward through the grouped experts (torch._grouped_mm, which
+    runs on the CPU in bf16), with the assignments MoE.forward hands them against without them
+    (autograd's scatter-adds): the same outputs and the same gradients of x and every parameter,
+    padding rows, rows past the last group and dropped assignments included."""
+    from hymo_recipes.model.grouped_mm import grouped_swiglu
+
+    results = []
+    for use in (True, False):
+        def grouped(self, x, rows, n, capacity=None, assignments=None, use=use):
+            return grouped_swiglu(self.w1, self.w2, self.w3, x, rows, n, capacity,
+                                  assignments=assignments if use else None)
+
+        monkeypatch.setattr(GroupedExperts, "forward", grouped)
+        moe = make_moe(tiny_args, moe_capacity_factor=capacity_factor)
+        moe.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.1, 0.0]))  # skewed loads, so capacity bites
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(2, 23, 64, generator=gen).requires_grad_()
+        out = moe(x)
+        out.backward(torch.randn(out.shape, generator=gen))
+        results.append((out.detach(), x.grad, *(p.grad for p in moe.parameters())))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert results[0][1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("capacity", [3, 8, 100])
 def test_the_layout_holds_only_the_assignments_the_capacity_keeps(capacity):
     """padded_indices with a capacity: the first ``capacity`` rows of each expert's group get a
