@@ -122,7 +122,6 @@ class MLA(nn.Module):
         dense ``document_causal_mask``."""
         B, T, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, -1, self.qk_head_dim)
-        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
         c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(c_kv)).view(B, T, -1, self.qk_nope_head_dim + self.v_head_dim)
@@ -130,9 +129,10 @@ class MLA(nn.Module):
         k_rope = k_rope[:, :, None, :]  # [B, T, 1, rope]: one slice shared by all heads
 
         if self.use_rope:
-            q_rope = apply_rope(q_rope, rope_cache, positions)
+            # q's rope slice rotated in place: the nope part is never copied (torch.compile
+            # writes the slice into the projection's output; a concatenation would copy all of q)
+            q[..., self.qk_nope_head_dim:] = apply_rope(q[..., self.qk_nope_head_dim:], rope_cache, positions)
             k_rope = apply_rope(k_rope, rope_cache, positions)
-        q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
         # [B, heads, T, d]; SDPA's enable_gqa maps query head h to KV head h // (H / G)
