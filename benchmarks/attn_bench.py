@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--options", type=kernel_options, nargs="*", default=[
         {"bwd_num_stages": 2},
         {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_warps": 4},
-        {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32, "bwd_num_warps": 4},
         {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
         {"USE_TMA": True},
         {"ROWS_GUARANTEED_SAFE": True},
