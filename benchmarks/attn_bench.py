@@ -44,8 +44,7 @@ import time
 
 import torch
 
-from benchmarks.gdn.bench import rel as rel_err  # relative L2 error, inf if not finite
-from benchmarks.gdn.conv_bench import document_lengths, timer
+from benchmarks.common import bench_device, document_lengths, rel_err, timer, timing_args
 from hymo_recipes.model.args import parse_flex_options
 from hymo_recipes.model.mla import _flex_attention, document_attention_mask
 from hymo_recipes.model.model import positions_in_documents
@@ -125,14 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         {"ROWS_GUARANTEED_SAFE": True},
     ], help="kernel_options to time beside the defaults, each KEY=VALUE[,KEY=VALUE...]")
     ap.add_argument("--no-varlen", action="store_true", help="leave out varlen_attn")
-    ap.add_argument("--warmup-ms", type=int, default=25)
-    ap.add_argument("--rep-ms", type=int, default=100)
+    timing_args(ap)
     ap.add_argument("--dry", action="store_true", help="CPU: 2 sequences of 64 tokens, 4 heads on 2 groups, "
                                                        "d 16, fp32, forward only (flex has no CPU backward)")
     args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() and not args.dry else "cpu"
-    if device == "cpu" and not args.dry:
-        ap.error("no GPU here: pass --dry for the CPU code paths")
+    device = bench_device(ap, args.dry)
     if args.dry:
         args.rows, args.seq, args.heads, args.kv_heads, args.qk_dim, args.v_dim = 2, 64, 4, 2, 16, 16
     for name in ("rows", "seq", "heads", "kv_heads", "qk_dim", "v_dim"):

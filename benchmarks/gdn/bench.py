@@ -65,6 +65,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import rel_err as rel
 from hymo_kernels.gdn import config as gdn_config
 from hymo_kernels.gdn import stress
 from hymo_kernels.gdn.chunk import chunk_gated_delta_rule
@@ -231,15 +232,6 @@ def variant_config(cfg, name):
     if nreg is not None:
         cfg = dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), maxnreg=nreg) for k in cfg.kernels()})
     return cfg
-
-
-def rel(a, b):
-    if a is None:
-        return float("nan")
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def fwd_bwd_grads(impl, x, h0, do, dht):

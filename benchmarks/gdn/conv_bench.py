@@ -39,7 +39,7 @@ import torch
 if not torch.cuda.is_available():  # the kernels read it at import: the interpreter on a CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.gdn.bench import rel as rel_err  # noqa: E402  (relative L2 error, inf if not finite)
+from benchmarks.common import bench_device, document_lengths, rel_err, timer, timing_args  # noqa: E402
 from hymo_kernels.gdn import short_conv  # noqa: E402
 from hymo_kernels.gdn.mixer_torch import short_causal_conv  # noqa: E402
 from hymo_recipes.model.model import positions_in_documents  # noqa: E402
@@ -47,16 +47,6 @@ from hymo_recipes.model.model import positions_in_documents  # noqa: E402
 
 def log(msg: str) -> None:
     print(f"conv_bench: {msg}", flush=True)
-
-
-def document_lengths(T: int, lo: int = 500, hi: int = 6000, seed: int = 0) -> list[int]:
-    """Document lengths of lo-hi tokens filling T (the last one cut), a fixed draw."""
-    g = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < T:
-        lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
-    lengths[-1] -= sum(lengths) - T
-    return lengths
 
 
 def tile(spec: str) -> tuple[int, int, int, int]:
@@ -67,20 +57,6 @@ def tile(spec: str) -> tuple[int, int, int, int]:
         raise argparse.ArgumentTypeError(f"a tile is ROWS,CHANNELS,WARPS[,AHEAD] (positive integers, AHEAD 0-2), "
                                          f"got {spec!r}")
     return (*(int(p) for p in parts[:3]), int(parts[3]) if len(parts) == 4 else 0)
-
-
-def timer(device: str, warmup_ms: int, rep_ms: int):
-    if device == "cuda":
-        import triton
-
-        return lambda f: triton.testing.do_bench(f, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-    def host(f):  # the interpreter: one call (its time says nothing; the code path runs)
-        t0 = time.perf_counter()
-        f()
-        return 1e3 * (time.perf_counter() - t0)
-
-    return host
 
 
 class Rows(list):
@@ -111,14 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 1), (16, 256, 2, 2)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s of the floor (default 4.3)")
-    ap.add_argument("--warmup-ms", type=int, default=25)
-    ap.add_argument("--rep-ms", type=int, default=100)
+    timing_args(ap)
     ap.add_argument("--dry", action="store_true", help="CPU: Triton's interpreter, T = 96, C = 32, documents of "
                                                        "10-40 tokens, one tile: the code paths, not times")
     args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() and not args.dry else "cpu"
-    if device == "cpu" and not args.dry:
-        ap.error("no GPU here: pass --dry for the CPU code paths")
+    device = bench_device(ap, args.dry)
     if args.dry:
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--dry needs Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported)")
