@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32768, help="T of the packed row (default: 8 x 4096)")
     ap.add_argument("--channels", type=int, default=1280, help="C of each of q, k, v (750m: 40 heads x 32)")
     ap.add_argument("--no-documents", action="store_true", help="one causal row instead of packed documents")
-    ap.add_argument("--bwd-rows", type=tile, nargs="*", default=[(16, 256, 4, 1), (16, 256, 4, 2), (16, 256, 2, 2)],
+    ap.add_argument("--bwd-rows", type=tile, nargs="*", default=[(16, 256, 4, 0), (16, 256, 4, 1), (16, 256, 2, 2)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch backward to time")
-    ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 1), (16, 256, 2, 2)],
+    ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 0), (16, 256, 2, 1)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s of the floor (default 4.3)")
     timing_args(ap)

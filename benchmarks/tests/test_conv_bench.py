@@ -25,7 +25,7 @@ def test_dry_run_prints_every_row(capsys):
                 "| ours, backward rows 16,32,1,2 |", "| floor at 4.3 TB/s |"):
         assert row in out, row
     # the sweeps leave the shipped tiles in place
-    assert (short_conv.FWD_ROWS, short_conv.BWD_ROWS) == ((16, 256, 2, 0), (16, 256, 4, 0))
+    assert (short_conv.FWD_ROWS, short_conv.BWD_ROWS) == ((16, 256, 2, 2), (16, 256, 4, 2))
 
 
 def test_a_wrong_conv_fails_the_run(monkeypatch, capsys):

@@ -338,9 +338,9 @@ FWD_TILE = (32, 128, 4)
 BWD_TILE = (64, 32, 4)
 # (rows, channels, warps, rows loaded ahead) per program of the row-walking kernels, used for
 # W <= ROWS_MAX_W (they carry at most three earlier taps in registers); from sweeps at the 750m
-# shape on an H200
-FWD_ROWS = (16, 256, 2, 0)
-BWD_ROWS = (16, 256, 4, 0)
+# training shape (benchmarks.gdn.conv_bench; the rows loaded two ahead: benchmarks/HISTORY.md)
+FWD_ROWS = (16, 256, 2, 2)
+BWD_ROWS = (16, 256, 4, 2)
 ROWS_MAX_W = 4
 
 
