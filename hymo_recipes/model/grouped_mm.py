@@ -40,7 +40,7 @@ class _GatherRows(torch.autograd.Function):
         return parts.sum(1).to(ctx.dtype), None, None
 
 
-def gather_rows(x: torch.Tensor, src: torch.Tensor, readers: torch.Tensor) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, src: torch.Tensor, readers: torch.Tensor | None) -> torch.Tensor:
     """out[i] = x[src[i]], zero where src[i] < 0 ([len(src), dim] from x [R, dim]), whose backward
     is a gather: dx[r] = the sum of dout[readers[r, j]] over readers[r, j] >= 0 (at least fp32).
 
@@ -48,8 +48,11 @@ def gather_rows(x: torch.Tensor, src: torch.Tensor, readers: torch.Tensor) -> to
         x: [R, dim] the rows read.
         src: [M] the row of x each output row reads; -1 for a zero row.
         readers: [R, m] the output rows that read each row of x, -1 padding: exactly the i with
-            src[i] = r, which the caller knows from its layout (it is not checked here).
+            src[i] = r, which the caller knows from its layout (it is not checked here); None:
+            autograd's own backward (a scatter-add).
     """
+    if readers is None:
+        return torch.where((src >= 0)[:, None], x[src.clamp_min(0)], 0)
     return _GatherRows.apply(x, src, readers)
 
 
@@ -102,11 +105,8 @@ def grouped_swiglu(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torc
     scatter-added into them."""
     index, sizes, at = padded_indices(num_tokens_per_expert, rows.shape[0], capacity)
     src = torch.where(index >= 0, rows[index.clamp_min(0)], -1)
-    if assignments is None:
-        xp = torch.where((src >= 0)[:, None], x[src.clamp_min(0)], 0)
-    else:
-        xp = gather_rows(x, src, at[assignments])  # each row of x: the layout rows of its kept assignments
-    xp = xp.bfloat16()
+    # each row of x: the layout rows of its kept assignments
+    xp = gather_rows(x, src, None if assignments is None else at[assignments]).bfloat16()
     offsets = torch.cumsum(sizes, dim=0, dtype=torch.int32)
     # the product recomputed in the backward, the projections kept (recompute.py)
     out = keep_matmuls(_grouped, xp, w1.bfloat16(), w2.bfloat16(), w3.bfloat16(), offsets,
