@@ -1,6 +1,7 @@
 """Skip the optimizer step on a non-finite loss or gradient; stop after too many in a row.
 
-How it is wired into TorchTitan's unmodified train loop (no Trainer subclass):
+How it is wired into TorchTitan's train loop (through the loss function and the optimizer
+container, not through the Trainer):
 
 - The loss function passes every training microbatch's loss through ``on_loss``: it remembers,
   on the device and without a host sync, whether the loss was NaN/Inf, and (test hook) turns the

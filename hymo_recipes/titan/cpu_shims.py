@@ -1,4 +1,4 @@
-"""Shims that let TorchTitan 0.2.2's unmodified Trainer run on a machine without an accelerator.
+"""Shims that let TorchTitan 0.2.2's Trainer run on a machine without an accelerator.
 
 TorchTitan assumes a GPU in a few places; each shim below fixes one, from outside
 site-packages, and only when no accelerator is present (on a GPU machine nothing here runs):

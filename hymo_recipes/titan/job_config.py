@@ -163,8 +163,8 @@ class Optimizer:
     adamw_cautious_wd: bool = True
     adamw_compiled: bool = False
     """Run CautiousAdamW's multi-tensor step under torch.compile: a faster optimizer step for a
-    longer compile before step 1 (BENCHMARKS.md). Off by default: at the configs' accumulated
-    batch the optimizer step is a small part of a training step."""
+    longer compile before step 1 (BENCHMARKS.md). Off by default, for a quick start;
+    hymo_750m.toml turns it on."""
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""

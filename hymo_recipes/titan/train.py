@@ -1,4 +1,4 @@
-"""HyMo's training entry point: TorchTitan's unmodified Trainer, on GPUs or on CPUs.
+"""HyMo's training entry point: TorchTitan's Trainer (HymoTrainer: its data moves), on GPUs or on CPUs.
 
     torchrun --nproc_per_node=2 -m hymo_recipes.train --job.config_file train_configs/debug_model.toml
 

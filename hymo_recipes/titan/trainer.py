@@ -154,7 +154,8 @@ class HymoTrainer(Trainer):
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
         # TorchTitan 0.2.2's Trainer.train_step but for _to_device (the batches come prepared:
-        # batch_generator)
+        # batch_generator), the stop when the data runs out, FSDP's once-per-step gradient sync
+        # and the labels passed to the model for the fused loss
         if self._start_step is None:
             self._start_step = self.step  # the first step this process trains (a resume's loaded step + 1)
             self._data_can_run_out = data_can_run_out(self.dataloader)
