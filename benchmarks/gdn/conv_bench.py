@@ -50,13 +50,16 @@ def log(msg: str) -> None:
 
 
 def tile(spec: str) -> tuple[int, int, int, int]:
-    """ROWS,CHANNELS,WARPS[,AHEAD] (AHEAD: rows loaded ahead, 0-2, default 0)."""
+    """ROWS,CHANNELS,WARPS[,AHEAD] (AHEAD: rows loaded ahead, 0-4, default 0)."""
     parts = spec.split(",")
-    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts) or not all(int(p) > 0 for p in parts[:3]) \
-            or (len(parts) == 4 and int(parts[3]) > 2):
-        raise argparse.ArgumentTypeError(f"a tile is ROWS,CHANNELS,WARPS[,AHEAD] (positive integers, AHEAD 0-2), "
-                                         f"got {spec!r}")
-    return (*(int(p) for p in parts[:3]), int(parts[3]) if len(parts) == 4 else 0)
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts) or not all(int(p) > 0 for p in parts[:3]):
+        raise argparse.ArgumentTypeError(f"a tile is ROWS,CHANNELS,WARPS[,AHEAD] (positive integers), got {spec!r}")
+    t = (*(int(p) for p in parts[:3]), int(parts[3]) if len(parts) == 4 else 0)
+    try:
+        short_conv._row_tile(t)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return t
 
 
 class Rows(list):
@@ -82,20 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32768, help="T of the packed row (default: 8 x 4096)")
     ap.add_argument("--channels", type=int, default=1280, help="C of each of q, k, v (750m: 40 heads x 32)")
     ap.add_argument("--no-documents", action="store_true", help="one causal row instead of packed documents")
-    ap.add_argument("--bwd-rows", type=tile, nargs="*", default=[(16, 256, 4, 0), (16, 256, 4, 1), (16, 256, 2, 2)],
+    ap.add_argument("--bwd-rows", type=tile, nargs="*",
+                    default=[(16, 256, 4, 2), (16, 256, 4, 4), (32, 256, 4, 4)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch backward to time")
-    ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 0), (16, 256, 2, 1)],
+    ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 4), (32, 256, 2, 2)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s of the floor (default 4.3)")
     timing_args(ap)
     ap.add_argument("--dry", action="store_true", help="CPU: Triton's interpreter, T = 96, C = 32, documents of "
-                                                       "10-40 tokens, one tile: the code paths, not times")
+                                                       "10-40 tokens, two tiles: the code paths, not times")
     args = ap.parse_args(argv)
     device = bench_device(ap, args.dry)
     if args.dry:
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--dry needs Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported)")
-        args.tokens, args.channels, args.bwd_rows, args.fwd_rows = 96, 32, [(16, 32, 1, 2)], [(16, 32, 1, 2)]
+        args.tokens, args.channels = 96, 32
+        args.bwd_rows = args.fwd_rows = [(16, 32, 1, 2), (32, 32, 1, 4)]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 is wrong
     T, C, W = args.tokens, args.channels, 4
     torch.manual_seed(0)

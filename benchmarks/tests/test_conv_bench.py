@@ -22,10 +22,18 @@ def test_dry_run_prints_every_row(capsys):
     assert conv_bench.main(["--dry"]) == 0
     out = capsys.readouterr().out
     for row in ("| ours, one launch |", "| ours, three launches |", "| ours, forward rows 16,32,1,2 |",
-                "| ours, backward rows 16,32,1,2 |", "| floor at 4.3 TB/s |"):
+                "| ours, backward rows 16,32,1,2 |", "| ours, forward rows 32,32,1,4 |",
+                "| ours, backward rows 32,32,1,4 |", "| floor at 4.3 TB/s |"):
         assert row in out, row
     # the sweeps leave the shipped tiles in place
-    assert (short_conv.FWD_ROWS, short_conv.BWD_ROWS) == ((16, 256, 2, 2), (16, 256, 4, 2))
+    assert (short_conv.FWD_ROWS, short_conv.BWD_ROWS) == ((16, 256, 2, 2), (16, 256, 4, 3))
+
+
+@pytest.mark.parametrize("spec", ["16,256,4,5", "16,0,4", "16,256"])
+def test_a_tile_the_kernels_cannot_walk_is_refused(spec, capsys):
+    with pytest.raises(SystemExit) as e:
+        conv_bench.main(["--dry", "--bwd-rows", spec])
+    assert e.value.code == 2 and "--bwd-rows" in capsys.readouterr().err
 
 
 def test_a_wrong_conv_fails_the_run(monkeypatch, capsys):

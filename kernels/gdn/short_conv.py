@@ -123,63 +123,91 @@ def _taps(w_ptr, c, cm, W: tl.constexpr):
 
 @triton.jit
 def _fwd_row(x_base, pos_ptr, t, T, stride_xt, cm, ct, HAS_POS: tl.constexpr):
-    """x[t] in fp32 and the in-document position of t (0 without positions)."""
-    x = tl.load(x_base + t * stride_xt, mask=cm & (ct + t < T), other=0.0).to(tl.float32)
+    """x[t] as stored (converted to fp32 where it is used) and the in-document position of t (0
+    without positions)."""
+    x = tl.load(x_base + t * stride_xt, mask=cm & (ct + t < T), other=0.0)
     if HAS_POS:
-        p = tl.load(pos_ptr + t, mask=t < T, other=0)
+        p = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.int32)
     else:
-        p = 0
+        p = tl.zeros([], dtype=tl.int32)
     return x, p
 
 
 @triton.jit
+def _fwd_step(x_base, y_base, pos_ptr, t, T, stride_xt, stride_yt, cm, ct, w0, w1, w2, w3, x1, x2, x3,
+              xn1, pn1, xn2, pn2, xn3, pn3, xn4, pn4, HAS_POS: tl.constexpr, AHEAD: tl.constexpr,
+              LOAD: tl.constexpr):
+    """y[t]: its row taken from the rows loaded ahead (xn1) or loaded now (AHEAD 0), the rows
+    ahead moved up one and, with LOAD, row t + AHEAD loaded into the last. Returns the carried
+    state: x[t], x[t-1], x[t-2] and the rows ahead."""
+    if AHEAD == 0:
+        x0, p = _fwd_row(x_base, pos_ptr, t, T, stride_xt, cm, ct, HAS_POS)
+    else:
+        x0, p = xn1, pn1
+        xn1, pn1, xn2, pn2, xn3, pn3 = xn2, pn2, xn3, pn3, xn4, pn4
+        if LOAD:
+            xa, pa = _fwd_row(x_base, pos_ptr, t + AHEAD, T, stride_xt, cm, ct, HAS_POS)
+            if AHEAD == 1:
+                xn1, pn1 = xa, pa
+            elif AHEAD == 2:
+                xn2, pn2 = xa, pa
+            elif AHEAD == 3:
+                xn3, pn3 = xa, pa
+            else:
+                xn4, pn4 = xa, pa
+    x0 = x0.to(tl.float32)
+    if HAS_POS:
+        z = w0 * x0 + tl.where(p >= 1, w1 * x1, 0.0) + tl.where(p >= 2, w2 * x2, 0.0) + \
+            tl.where(p >= 3, w3 * x3, 0.0)
+    else:
+        z = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+    tl.store(y_base + t * stride_yt, (z * tl.sigmoid(z)).to(y_base.dtype.element_ty), mask=cm & (ct + t < T))
+    return x0, x1, x2, xn1, pn1, xn2, pn2, xn3, pn3, xn4, pn4
+
+
+@triton.jit
 def _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt, b, s, ic,
-                   W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
+                   W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
+                   AHEAD: tl.constexpr):
     """y of the L rows from s·L on and channel block ic of row block b, one row at a time (W ≤ 4):
     the W - 1 rows before the current one ride along in registers, so each x row is read once.
-    AHEAD (0-2): rows loaded that many steps before they are used, so that a row's loads are
+    AHEAD (0-4): rows loaded that many steps before they are used, so that a row's loads are
     issued before the previous rows' stores (which the compiler may not move them past: y could
-    alias x) and can be in flight during that work; the same outputs for every AHEAD."""
+    alias x) and can be in flight during that work; the same outputs for every AHEAD. The walk is
+    unrolled: its compile time grows with L."""
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels
     w0, w1, w2, w3 = _taps(w_ptr, c, cm, W)
     t0 = s * L
     x_base = x_ptr + b * stride_xb + c
+    y_base = y_ptr + b * stride_yb + c
     x1 = tl.load(x_base + (t0 - 1) * stride_xt, mask=cm & (ct + t0 >= 1), other=0.0).to(tl.float32)
     x2 = tl.load(x_base + (t0 - 2) * stride_xt, mask=cm & (ct + t0 >= 2), other=0.0).to(tl.float32)
     x3 = tl.load(x_base + (t0 - 3) * stride_xt, mask=cm & (ct + t0 >= 3), other=0.0).to(tl.float32)
+    # xn1 .. xnA: rows t + 1 .. t + A of the step at row t (unused ones stay zero)
+    xn1 = tl.zeros([BC], dtype=x_ptr.dtype.element_ty)
+    xn2, xn3, xn4 = xn1, xn1, xn1
+    pn1 = tl.zeros([], dtype=tl.int32)
+    pn2, pn3, pn4 = pn1, pn1, pn1
     if AHEAD >= 1:
         xn1, pn1 = _fwd_row(x_base, pos_ptr, t0, T, stride_xt, cm, ct, HAS_POS)
     if AHEAD >= 2:
         xn2, pn2 = _fwd_row(x_base, pos_ptr, t0 + 1, T, stride_xt, cm, ct, HAS_POS)
+    if AHEAD >= 3:
+        xn3, pn3 = _fwd_row(x_base, pos_ptr, t0 + 2, T, stride_xt, cm, ct, HAS_POS)
+    if AHEAD >= 4:
+        xn4, pn4 = _fwd_row(x_base, pos_ptr, t0 + 3, T, stride_xt, cm, ct, HAS_POS)
     for i in tl.static_range(L):
-        t = t0 + i
-        if AHEAD == 0:
-            x0, p = _fwd_row(x_base, pos_ptr, t, T, stride_xt, cm, ct, HAS_POS)
-        elif AHEAD == 1:
-            x0, p = xn1, pn1
-            if i + 1 < L:
-                xn1, pn1 = _fwd_row(x_base, pos_ptr, t + 1, T, stride_xt, cm, ct, HAS_POS)
-        else:
-            x0, p = xn1, pn1
-            xn1, pn1 = xn2, pn2
-            if i + 2 < L:
-                xn2, pn2 = _fwd_row(x_base, pos_ptr, t + 2, T, stride_xt, cm, ct, HAS_POS)
-        if HAS_POS:
-            z = w0 * x0 + tl.where(p >= 1, w1 * x1, 0.0) + tl.where(p >= 2, w2 * x2, 0.0) + \
-                tl.where(p >= 3, w3 * x3, 0.0)
-        else:
-            z = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
-        tl.store(y_ptr + b * stride_yb + t * stride_yt + c, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty),
-                 mask=cm & (ct + t < T))
-        x3, x2, x1 = x2, x1, x0
+        x1, x2, x3, xn1, pn1, xn2, pn2, xn3, pn3, xn4, pn4 = _fwd_step(
+            x_base, y_base, pos_ptr, t0 + i, T, stride_xt, stride_yt, cm, ct, w0, w1, w2, w3, x1, x2, x3, xn1, pn1,
+            xn2, pn2, xn3, pn3, xn4, pn4, HAS_POS, AHEAD, i + AHEAD < L)
 
 
 @triton.jit
 def _conv_fwd_rows_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
-                          W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
-                          AHEAD: tl.constexpr):
+                          W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
+                          HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
                    tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS, AHEAD)
 
@@ -187,8 +215,8 @@ def _conv_fwd_rows_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_
 @triton.jit
 def _conv3_fwd_rows_kernel(x0, w0, y0, x1, w1, y1, x2, w2, y2, pos_ptr, T, C0, C1, C2, NB0, NB1,
                            sxb0, sxt0, syb0, syt0, sxb1, sxt1, syb1, syt1, sxb2, sxt2, syb2, syt2,
-                           W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
-                          AHEAD: tl.constexpr):
+                           W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
+                           HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     """_conv_fwd_rows_kernel over three tensors in one launch: channel blocks [0, NB0) are the
     first tensor's, [NB0, NB0 + NB1) the second's, the rest the third's."""
     ic = tl.program_id(2)
@@ -205,15 +233,64 @@ def _conv3_fwd_rows_kernel(x0, w0, y0, x1, w1, y1, x2, w2, y2, pos_ptr, T, C0, C
 
 @triton.jit
 def _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_POS: tl.constexpr):
-    """What the backward's step at row u reads: x[u - 3] and dy[u] in fp32 (zero outside [0, T)) and
-    the in-document position of u (0 without positions)."""
-    xd = tl.load(x_base + (u - 3) * stride_xt, mask=cm & (ct + u >= 3) & (ct + u - 3 < T), other=0.0).to(tl.float32)
-    dy = tl.load(dy_base + u * stride_dyt, mask=cm & (ct + u < T) & (ct + u >= 0), other=0.0).to(tl.float32)
+    """What the backward's step at row u reads: x[u - 3] and dy[u] as stored (zero outside [0, T);
+    converted where they are used) and the in-document position of u (0 without positions)."""
+    xd = tl.load(x_base + (u - 3) * stride_xt, mask=cm & (ct + u >= 3) & (ct + u - 3 < T), other=0.0)
+    dy = tl.load(dy_base + u * stride_dyt, mask=cm & (ct + u < T) & (ct + u >= 0), other=0.0)
     if HAS_POS:
-        p = tl.load(pos_ptr + u, mask=(u < T) & (u >= 0), other=0)
+        p = tl.load(pos_ptr + u, mask=(u < T) & (u >= 0), other=0).to(tl.int32)
     else:
-        p = 0
+        p = tl.zeros([], dtype=tl.int32)
     return xd, dy, p
+
+
+@triton.jit
+def _bwd_step(x_base, dy_base, dx_row0, pos_ptr, u, T, stride_xt, stride_dyt, stride_dxt, c, cm, ct, w0, w1, w2, w3,
+              xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3,
+              pn3, xn4, dyn4, pn4, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, OWN: tl.constexpr,
+              LOAD: tl.constexpr):
+    """The backward's step at row u (see _conv_bwd_rows): dz[u]; for an OWN row dx[u] stored and
+    the dw sums advanced. Its rows come from the rows loaded ahead (or now, AHEAD 0), which move
+    up one, row u - AHEAD loaded into the last with LOAD. Returns the carried state."""
+    if AHEAD == 0:
+        xd, dy, p = _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+    else:
+        xd, dy, p = xn1, dyn1, pn1
+        xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3 = xn2, dyn2, pn2, xn3, dyn3, pn3, xn4, dyn4, pn4
+        if LOAD:
+            xl, dyl, pl = _bwd_row(x_base, dy_base, pos_ptr, u - AHEAD, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+            if AHEAD == 1:
+                xn1, dyn1, pn1 = xl, dyl, pl
+            elif AHEAD == 2:
+                xn2, dyn2, pn2 = xl, dyl, pl
+            elif AHEAD == 3:
+                xn3, dyn3, pn3 = xl, dyl, pl
+            else:
+                xn4, dyn4, pn4 = xl, dyl, pl
+    xd = xd.to(tl.float32)
+    dy = dy.to(tl.float32)
+    if HAS_POS:
+        t1x = tl.where(p >= 1, xb, 0.0)
+        t2x = tl.where(p >= 2, xc, 0.0)
+        t3x = tl.where(p >= 3, xd, 0.0)
+    else:
+        t1x, t2x, t3x = xb, xc, xd
+    z = w0 * xa + w1 * t1x + w2 * t2x + w3 * t3x
+    sig = tl.sigmoid(z)
+    dz = dy * sig * (1.0 + z * (1.0 - sig))  # 0 on rows past T
+    if OWN:  # rows past T are masked at the store
+        if HAS_POS:
+            dx = w0 * dz + tl.where(p1 >= 1, w1 * dz1, 0.0) + tl.where(p2 >= 2, w2 * dz2, 0.0) + \
+                tl.where(p3 >= 3, w3 * dz3, 0.0)
+        else:
+            dx = w0 * dz + w1 * dz1 + w2 * dz2 + w3 * dz3
+        tl.store(dx_row0 + u * stride_dxt + c, dx.to(dx_row0.dtype.element_ty), mask=cm & (ct + u < T) & (ct + u >= 0))
+        dw0 += dz * xa
+        dw1 += dz * t1x
+        dw2 += dz * t2x
+        dw3 += dz * t3x
+    return (xb, xc, xd, dz, dz1, dz2, p, p1, p2, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3,
+            xn4, dyn4, pn4)
 
 
 @triton.jit
@@ -234,6 +311,7 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
     t1 = t0 + L  # own rows [t0, t1)
     x_base = x_ptr + b * stride_xb + c
     dy_base = dy_ptr + b * stride_dyb + c
+    dx_row0 = dx_ptr + b * stride_dxb  # a scalar: the store's address is formed there
     u0 = t1 + 2  # the first row walked: the last one whose taps reach row t1 - 1
     xa = tl.load(x_base + u0 * stride_xt, mask=cm & (ct + u0 < T), other=0.0).to(tl.float32)  # x[u]
     xb = tl.load(x_base + (u0 - 1) * stride_xt, mask=cm & (ct + u0 - 1 < T), other=0.0).to(tl.float32)  # x[u-1]
@@ -241,56 +319,38 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
     dz1 = tl.zeros([BC], dtype=tl.float32)  # dz[u+1], dz[u+2], dz[u+3]
     dz2 = tl.zeros([BC], dtype=tl.float32)
     dz3 = tl.zeros([BC], dtype=tl.float32)
-    if HAS_POS:  # pos[u+1], pos[u+2], pos[u+3]: whether their taps reach back to u
-        p1 = tl.zeros([], dtype=tl.int32)
-        p2 = tl.zeros([], dtype=tl.int32)
-        p3 = tl.zeros([], dtype=tl.int32)
+    p1 = tl.zeros([], dtype=tl.int32)  # pos[u+1], pos[u+2], pos[u+3]: whether their taps reach back to u
+    p2, p3 = p1, p1
     dw0 = tl.zeros([BC], dtype=tl.float32)
     dw1 = tl.zeros([BC], dtype=tl.float32)
     dw2 = tl.zeros([BC], dtype=tl.float32)
     dw3 = tl.zeros([BC], dtype=tl.float32)
+    # rows u - 1 .. u - A of the step at row u (unused ones stay zero)
+    xn1 = tl.zeros([BC], dtype=x_ptr.dtype.element_ty)
+    xn2, xn3, xn4 = xn1, xn1, xn1
+    dyn1 = tl.zeros([BC], dtype=dy_ptr.dtype.element_ty)
+    dyn2, dyn3, dyn4 = dyn1, dyn1, dyn1
+    pn1, pn2, pn3, pn4 = p1, p1, p1, p1
     if AHEAD >= 1:
         xn1, dyn1, pn1 = _bwd_row(x_base, dy_base, pos_ptr, u0, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
     if AHEAD >= 2:
         xn2, dyn2, pn2 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 1, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
-    for n in tl.static_range(L + 3):
-        u = u0 - n
-        if AHEAD == 0:
-            xd, dy, p = _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
-        elif AHEAD == 1:
-            xd, dy, p = xn1, dyn1, pn1
-            if n + 1 < L + 3:
-                xn1, dyn1, pn1 = _bwd_row(x_base, dy_base, pos_ptr, u - 1, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
-        else:
-            xd, dy, p = xn1, dyn1, pn1
-            xn1, dyn1, pn1 = xn2, dyn2, pn2
-            if n + 2 < L + 3:
-                xn2, dyn2, pn2 = _bwd_row(x_base, dy_base, pos_ptr, u - 2, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
-        if HAS_POS:
-            t1x = tl.where(p >= 1, xb, 0.0)
-            t2x = tl.where(p >= 2, xc, 0.0)
-            t3x = tl.where(p >= 3, xd, 0.0)
-        else:
-            t1x, t2x, t3x = xb, xc, xd
-        z = w0 * xa + w1 * t1x + w2 * t2x + w3 * t3x
-        sig = tl.sigmoid(z)
-        dz = dy * sig * (1.0 + z * (1.0 - sig))  # 0 on rows past T
-        if n >= 3:  # an own row (rows past T are masked at the store)
-            if HAS_POS:
-                dx = w0 * dz + tl.where(p1 >= 1, w1 * dz1, 0.0) + tl.where(p2 >= 2, w2 * dz2, 0.0) + \
-                    tl.where(p3 >= 3, w3 * dz3, 0.0)
-            else:
-                dx = w0 * dz + w1 * dz1 + w2 * dz2 + w3 * dz3
-            tl.store(dx_ptr + b * stride_dxb + u * stride_dxt + c, dx.to(dx_ptr.dtype.element_ty),
-                     mask=cm & (ct + u < T) & (ct + u >= 0))
-            dw0 += dz * xa
-            dw1 += dz * t1x
-            dw2 += dz * t2x
-            dw3 += dz * t3x
-        dz3, dz2, dz1 = dz2, dz1, dz
-        if HAS_POS:
-            p3, p2, p1 = p2, p1, p
-        xa, xb, xc = xb, xc, xd
+    if AHEAD >= 3:
+        xn3, dyn3, pn3 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 2, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+    if AHEAD >= 4:
+        xn4, dyn4, pn4 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 3, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+    for n in tl.static_range(3):  # the halo: rows after the own ones, whose dz the last own rows read
+        (xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3,
+         xn4, dyn4, pn4) = _bwd_step(
+            x_base, dy_base, dx_row0, pos_ptr, u0 - n, T, stride_xt, stride_dyt, stride_dxt, c, cm, ct, w0, w1, w2, w3,
+            xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3,
+            xn4, dyn4, pn4, HAS_POS, AHEAD, False, n + AHEAD < L + 3)
+    for i in tl.static_range(L):  # the own rows, last first
+        (xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3,
+         xn4, dyn4, pn4) = _bwd_step(
+            x_base, dy_base, dx_row0, pos_ptr, t1 - 1 - i, T, stride_xt, stride_dyt, stride_dxt, c, cm, ct, w0, w1,
+            w2, w3, xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3,
+            dyn3, pn3, xn4, dyn4, pn4, HAS_POS, AHEAD, True, i + AHEAD < L)
     dw_base = dw_ptr + ((b * tl.num_programs(1) + s) * W) * stride_dw + c
     tl.store(dw_base + (W - 1) * stride_dw, dw0, mask=cm)
     if W >= 2:
@@ -303,18 +363,18 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
 
 @triton.jit
 def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
-                          stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
-                          HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
+                          stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr,
+                          BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb, stride_dyt,
-                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC, HAS_POS,
-                   AHEAD)
+                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC,
+                   HAS_POS, AHEAD)
 
 
 @triton.jit
 def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2, dw_ptr, pos_ptr, T, C0, C1, C2,
                            NB0, NB1, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1,
-                           sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, W: tl.constexpr, L: tl.constexpr, BC: tl.constexpr,
-                           HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
+                           sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, W: tl.constexpr, L: tl.constexpr,
+                           BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
     """_conv_bwd_rows_kernel over three tensors in one launch (channel blocks as in
     _conv3_fwd_rows_kernel); the dw partials of all three side by side in one [rows, W, C0 + C1 + C2]."""
     ic = tl.program_id(2)
@@ -338,10 +398,19 @@ FWD_TILE = (32, 128, 4)
 BWD_TILE = (64, 32, 4)
 # (rows, channels, warps, rows loaded ahead) per program of the row-walking kernels, used for
 # W <= ROWS_MAX_W (they carry at most three earlier taps in registers); from sweeps at the 750m
-# training shape (benchmarks.gdn.conv_bench; the rows loaded two ahead: benchmarks/HISTORY.md)
+# training shape (benchmarks.gdn.conv_bench; what each found: benchmarks/HISTORY.md). Runs of 32
+# rows walk faster backwards but take ~4x the compile time of 16 (the walk is unrolled).
 FWD_ROWS = (16, 256, 2, 2)
-BWD_ROWS = (16, 256, 4, 2)
+BWD_ROWS = (16, 256, 4, 3)
 ROWS_MAX_W = 4
+
+
+def _row_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """A row tile (rows, channels, warps, rows loaded ahead), checked."""
+    L, BC, warps, ahead = tile
+    if L < 1 or BC < 1 or warps < 1 or not 0 <= ahead <= 4:
+        raise ValueError(f"short_conv: row tile {tile}: rows, channels and warps positive, rows loaded ahead 0-4")
+    return tile
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
@@ -360,7 +429,7 @@ def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | No
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x  # a dummy pointer when HAS_POS is off
     if w.shape[1] <= ROWS_MAX_W:
-        L, BC, warps, ahead = FWD_ROWS
+        L, BC, warps, ahead = _row_tile(FWD_ROWS)
         _conv_fwd_rows_kernel[(B, triton.cdiv(T, L), triton.cdiv(C, BC))](
             x, w, y, pos, T, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1), W=w.shape[1], L=L, BC=BC,
             HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
@@ -380,7 +449,7 @@ def conv_silu_bwd(x, w, dy, positions=None):
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x
     if W <= ROWS_MAX_W:
-        L, BC, warps, ahead = BWD_ROWS
+        L, BC, warps, ahead = _row_tile(BWD_ROWS)
         NT = triton.cdiv(T, L)
         dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
         _conv_bwd_rows_kernel[(B, NT, triton.cdiv(C, BC))](
@@ -419,7 +488,7 @@ def conv_silu_qkv_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor
     W = wq.shape[1]
     B, T, _ = q_in.shape
     ys = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
-    L, BC, warps, ahead = FWD_ROWS
+    L, BC, warps, ahead = _row_tile(FWD_ROWS)
     nb = [triton.cdiv(x.shape[2], BC) for x in xs]
     strides = [v for x, y in zip(xs, ys) for v in (x.stride(0), x.stride(1), y.stride(0), y.stride(1))]
     _conv3_fwd_rows_kernel[(B, triton.cdiv(T, L), sum(nb))](
@@ -441,7 +510,7 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None):
     B, T, _ = q_in.shape
     dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
     dxs = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
-    L, BC, warps, ahead = BWD_ROWS
+    L, BC, warps, ahead = _row_tile(BWD_ROWS)
     NT = triton.cdiv(T, L)
     Cs = [x.shape[2] for x in xs]
     nb = [triton.cdiv(c, BC) for c in Cs]

@@ -78,7 +78,7 @@ def test_short_conv_qkv_in_one_launch(B, T, Cs, W, lengths, nan_poison):
         assert rel(ys[i], ref) < 1e-6 and rel(grads[i], xr.grad) < 1e-6 and rel(grads[3 + i], wr.grad) < 1e-6
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("ahead", [1, 2, 3, 4])
 @pytest.mark.parametrize("W, L, lengths", [(4, 8, None), (4, 8, [5, 1, 2, 31]), (3, 2, [5, 1, 2, 31]), (2, 2, None)],
                          ids=["W4-L8-causal", "W4-L8-packed", "W3-L2-packed", "W2-L2-causal"])
 def test_short_conv_rows_loaded_ahead_change_nothing(ahead, W, L, lengths, monkeypatch, nan_poison):
@@ -102,6 +102,18 @@ def test_short_conv_rows_loaded_ahead_change_nothing(ahead, W, L, lengths, monke
 
     for a, b in zip(outputs(0), outputs(ahead)):
         assert torch.equal(a, b)
+
+
+def test_short_conv_row_tiles_checked(monkeypatch):
+    """A row tile with more rows loaded ahead than the walk carries, or no rows, is refused with
+    the tile named."""
+    from hymo_kernels.gdn import short_conv
+
+    x, w = torch.randn(1, 8, 32, device=DEV), torch.randn(32, 4, device=DEV)
+    for tile in [(0, 32, 1, 0), (16, 32, 1, 5)]:
+        monkeypatch.setattr(short_conv, "FWD_ROWS", tile)
+        with pytest.raises(ValueError, match=r"row tile \(" + ", ".join(map(str, tile))):
+            conv_silu_fwd(x, w)
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 3, 32), (1, 300, 2, 16)], ids=["B2-T37-H3-V32", "T300-H2-V16"])
