@@ -6,17 +6,17 @@ for a Hopper GPU on a machine without one.
     python -m benchmarks.gdn.regs --arch 100      # another target (compute capability x 10)
     python -m benchmarks.gdn.regs --maxnreg 128   # every launch capped: what the spills would be
 
-A kernel's occupancy, and so how much memory latency it can hide, follows from its registers
-per thread; a spill (local-memory traffic) is a cost a CPU can see. This records the launches
-(arguments, tile constants, warps, stages, register caps) of the fused mixer's forward and
-backward at the configs' tiles by running a tiny packed batch once in Triton's interpreter (bf16
-values are wrong there, so the kernels are not run: only their launches are kept), then, in a
-second process without the
+A kernel's occupancy, and so how much memory latency it can hide, follows from its registers per
+thread; a spill (local-memory traffic) is a cost a CPU can see. This records the launches
+(arguments, tile constants, warps, stages, register caps, the arguments a GPU launch would mark
+16-divisible) of the fused mixer's forward and backward at the configs' tiles, 750m's heads, by
+running a short packed batch once in Triton's interpreter (bf16 values are wrong there, so the
+kernels are not run: only their launches are kept), then, in a second process without the
 interpreter, compiles each for ``sm_<arch>`` with the installed Triton and reads the cubin with
 the cuobjdump it ships. Printed per kernel: warps, stages, registers per thread, the local
 memory ("stack") and the local loads and stores in the SASS (spills), load and store
-instructions, the programs of the kernel an SM's register file holds, and the compile time (0
-when Triton's cache has the kernel).
+instructions, the programs of the kernel an SM holds by its registers (and its 64 warps and 32
+programs), and the compile time (0 when Triton's cache has the kernel).
 
 The compiler that matters is the GPU image's: run it in an environment with that Triton (a
 virtual environment with the same ``triton==`` pin and a CPU torch is enough). Times are not
@@ -28,31 +28,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 
-REGISTER_FILE = 65536  # 32-bit registers per SM, every sm_80+ GPU
-
-
-def _triton_type(v) -> tuple[str, object]:
-    """(signature type, constexpr value or None) of one launch argument."""
+def _triton_type(v) -> tuple[str, object, bool]:
+    """(signature type, constexpr value or None, 16-divisible) of one launch argument, as a GPU
+    launch specialises it: a tensor whose address and an integer that are multiples of 16 are
+    marked divisible (wider loads), an integer equal to 1 becomes the constant 1."""
     import torch
 
     if isinstance(v, torch.Tensor):
         return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                      torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}[v.dtype], None
+                      torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}[v.dtype], None, v.data_ptr() % 16 == 0
     if isinstance(v, bool) or v is None:
-        return "constexpr", v
+        return "constexpr", v, False
     if isinstance(v, int):
-        return ("i32" if -2 ** 31 <= v < 2 ** 31 else "i64"), None
+        if v == 1:
+            return "constexpr", 1, False
+        return ("i32" if -2 ** 31 <= v < 2 ** 31 else "i64"), None, v % 16 == 0
     if isinstance(v, float):
-        return "fp32", None
-    return "constexpr", v
+        return "fp32", None, False
+    return "constexpr", v, False
 
 
-def record(head_dim: int) -> list[dict]:
+def record(head_dim: int, heads: int) -> list[dict]:
     """The launches of one fused mixer forward + backward (interpreter; run in its own process)."""
     import torch
 
@@ -64,25 +66,30 @@ def record(head_dim: int) -> list[dict]:
         for name, k in list(vars(mod).items()):
             if name.endswith("_kernel") and hasattr(k, "run") and hasattr(k, "arg_names"):
                 def run(*args, grid, warmup, _k=k, _name=name, **kwargs):
-                    sig, const = {}, {}
+                    sig, const, divisible = {}, {}, []
                     values = dict(zip(_k.arg_names, args)) | {a: kwargs[a] for a in _k.arg_names if a in kwargs}
                     annotated = {a for a, t in _k.fn.__annotations__.items() if "constexpr" in str(t)}
-                    for a in _k.arg_names:
+                    for i, a in enumerate(_k.arg_names):
                         if a not in values:
                             continue  # a default
-                        ty, cv = _triton_type(values[a])
+                        ty, cv, div = _triton_type(values[a])
                         if a in annotated or ty == "constexpr":
                             sig[a], const[a] = "constexpr", values[a] if a in annotated else cv
                         else:
                             sig[a] = ty
+                            if div:
+                                divisible.append(i)
                     opts = {o: kwargs[o] for o in ("num_warps", "num_stages", "maxnreg") if o in kwargs}
                     launches.append(dict(module=_k.fn.__module__, name=_name, signature=sig, constexprs=const,
-                                         options=opts))
+                                         divisible=divisible, options=opts))
                     # not run: the interpreter cannot run every bf16 kernel, and only the launch is
                     # wanted (the outputs stay unwritten; no launch reads a value on the host)
                 k.run = run
-    H, D, T = 2, head_dim, 40
-    lengths = [23, 17]
+    # the 750m's 40 heads (H is a tile constant of the chunk kernels); T and the channel counts
+    # multiples of 16, as in training, so that the same arguments are marked divisible; four
+    # documents, so that sequences x heads >= 128 picks the launch table's training tiles
+    H, D, T = heads, head_dim, 64
+    lengths = [19, 17, 15, 13]
     g = torch.Generator().manual_seed(0)
 
     def mk(*shape, scale=1.0):
@@ -110,7 +117,8 @@ def compile_one(launch: dict, arch: int, maxnreg: int = 0) -> dict:
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(launch["module"]), launch["name"])
-    src = ASTSource(fn=fn, signature=launch["signature"], constexprs=launch["constexprs"])
+    src = ASTSource(fn=fn, signature=launch["signature"], constexprs=launch["constexprs"],
+                    attrs={(i,): [["tt.divisibility", 16]] for i in launch["divisible"]})
     start = time.perf_counter()
     options = dict(launch["options"], **({"maxnreg": maxnreg} if maxnreg else {}))
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
@@ -125,8 +133,17 @@ def compile_one(launch: dict, arch: int, maxnreg: int = 0) -> dict:
                               capture_output=True, text=True, check=True).stdout
     fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split()
                   if ":" in item and item.split(":")[1].isdigit())
-    return dict(regs=int(fields["REG"]), stack=int(fields.get("STACK", 0)), spills=sass.count("STL") + sass.count("LDL"),
-                loads=sass.count("LDG"), stores=sass.count("STG"), seconds=seconds)
+    ops = re.findall(r"\b(STL|LDL|LDG|STG)[.\s]", sass)  # LDGSTS (async copies) and LDGDEPBAR not counted
+    return dict(regs=int(fields["REG"]), stack=int(fields.get("STACK", 0)), spills=ops.count("STL") + ops.count("LDL"),
+                loads=ops.count("LDG"), stores=ops.count("STG"), seconds=seconds)
+
+
+def programs_per_sm(regs: int, warps: int) -> int:
+    """Programs of ``warps`` warps that one SM holds, bounded by its registers (each of the four
+    sub-partitions has 16,384; a warp's registers, allocated in units of 256, come from one),
+    its 64 warps and its 32 programs (the CUDA occupancy calculator's rules for sm_90)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(4 * (16384 // per_warp) // warps, 64 // warps, 32)
 
 
 def _key(launch: dict) -> str:
@@ -137,26 +154,29 @@ def _key(launch: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, default=32, help="K = V of the GDN heads (default 32: the 750m's)")
+    ap.add_argument("--heads", type=int, default=40, help="GDN heads (default 40: the 750m's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     ap.add_argument("--maxnreg", type=int, default=0, help="cap every launch's registers per thread (0: as launched)")
     ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # the interpreter half
     args = ap.parse_args(argv)
     if args.record:
-        json.dump(record(args.head_dim), sys.stdout)
+        json.dump(record(args.head_dim, args.heads), sys.stdout)
         return 0
     import triton
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("compiling needs Triton without its interpreter: unset TRITON_INTERPRET")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    rec = subprocess.run([sys.executable, "-m", "benchmarks.gdn.regs", "--record", "--head-dim", str(args.head_dim)],
+    rec = subprocess.run([sys.executable, "-m", "benchmarks.gdn.regs", "--record", "--head-dim", str(args.head_dim),
+                          "--heads", str(args.heads)],
                          capture_output=True, text=True, env=env)
     if rec.returncode:
         print(rec.stderr[-3000:], file=sys.stderr)
         print("regs: recording the launches failed (above)", file=sys.stderr)
         return 1
     launches = {_key(x): x for x in json.loads(rec.stdout)}
-    print(f"regs: Triton {triton.__version__}, sm_{args.arch}, K = V = {args.head_dim}, bf16, packed documents: "
+    print(f"regs: Triton {triton.__version__}, sm_{args.arch}, H = {args.heads}, K = V = {args.head_dim}, bf16, "
+          f"packed documents: "
           f"{len(launches)} distinct launches{f', capped at {args.maxnreg} registers' if args.maxnreg else ''}",
           flush=True)
     rows = []
@@ -165,10 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         warps = launch["options"].get("num_warps", 4)
         tiles = {k: v for k, v in launch["constexprs"].items() if k.isupper() and isinstance(v, int)
                  and not isinstance(v, bool)}
-        # programs an SM's register file holds (registers are allocated per warp, in units of 256)
-        per_warp = -(-res["regs"] * 32 // 256) * 256
         rows.append((launch["name"], " ".join(f"{k}={v}" for k, v in tiles.items()), warps,
-                     launch["options"].get("num_stages", 3), res, REGISTER_FILE // (per_warp * warps)))
+                     launch["options"].get("num_stages", 3), res, programs_per_sm(res["regs"], warps)))
         print(f"regs: {launch['name']}: {res['regs']} registers, {res['seconds']:.1f} s", flush=True)
     print("\n| kernel | tiles | warps | stages | registers | stack B | spill ld/st | LDG | STG | programs/SM "
           "(registers) | compile s |")

@@ -29,7 +29,7 @@ def test_dry_run_prints_every_row(capsys):
     assert (short_conv.FWD_ROWS, short_conv.BWD_ROWS) == ((16, 256, 2, 2), (16, 256, 4, 3))
 
 
-@pytest.mark.parametrize("spec", ["16,256,4,5", "16,0,4", "16,256"])
+@pytest.mark.parametrize("spec", ["16,256,4,5", "16,0,4", "16,256", "16,48,4"])
 def test_a_tile_the_kernels_cannot_walk_is_refused(spec, capsys):
     with pytest.raises(SystemExit) as e:
         conv_bench.main(["--dry", "--bwd-rows", spec])

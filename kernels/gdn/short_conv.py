@@ -408,8 +408,9 @@ ROWS_MAX_W = 4
 def _row_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
     """A row tile (rows, channels, warps, rows loaded ahead), checked."""
     L, BC, warps, ahead = tile
-    if L < 1 or BC < 1 or warps < 1 or not 0 <= ahead <= 4:
-        raise ValueError(f"short_conv: row tile {tile}: rows, channels and warps positive, rows loaded ahead 0-4")
+    if L < 1 or BC < 1 or BC & (BC - 1) or warps < 1 or warps & (warps - 1) or not 0 <= ahead <= 4:
+        raise ValueError(f"short_conv: row tile {tile}: rows positive, channels and warps powers of two, rows loaded "
+                         f"ahead 0-4")
     return tile
 
 

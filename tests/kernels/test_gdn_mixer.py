@@ -105,12 +105,12 @@ def test_short_conv_rows_loaded_ahead_change_nothing(ahead, W, L, lengths, monke
 
 
 def test_short_conv_row_tiles_checked(monkeypatch):
-    """A row tile with more rows loaded ahead than the walk carries, or no rows, is refused with
-    the tile named."""
+    """A row tile with more rows loaded ahead than the walk carries, no rows, or channels Triton
+    cannot tile is refused with the tile named."""
     from hymo_kernels.gdn import short_conv
 
     x, w = torch.randn(1, 8, 32, device=DEV), torch.randn(32, 4, device=DEV)
-    for tile in [(0, 32, 1, 0), (16, 32, 1, 5)]:
+    for tile in [(0, 32, 1, 0), (16, 32, 1, 5), (16, 48, 1, 2)]:
         monkeypatch.setattr(short_conv, "FWD_ROWS", tile)
         with pytest.raises(ValueError, match=r"row tile \(" + ", ".join(map(str, tile))):
             conv_silu_fwd(x, w)
