@@ -3,6 +3,8 @@
     python -m benchmarks.train_bench                                   # the default runs, one GPU
     python -m benchmarks.train_bench --runs hymo_750m:16 dsv3_8:16 --steps 12
     python -m benchmarks.train_bench --runs hymo_750m:max --mem-cap-gib 80
+    python -m benchmarks.train_bench --runs hymo_750m:8:none hymo_750m:8:none:local dsv3_32:4 \
+        --variant local="--hymo.gdn_bwd_path local"                  # a HyMo setting beside the peers
     python -m benchmarks.train_bench --dry                             # CPU: the tiny flavors, 3 steps
 
 Each run is ``NGPU=1 ./run_train.sh`` (one process; FSDP2 and compile as the config says) with
@@ -10,10 +12,14 @@ seq 4096 (64 in the dry mode), one microbatch per step (global batch = local bat
 checkpoints and no validation, every step logged; TorchTitan's models train with its AdamW
 (lr 3e-4), HyMo with its config's optimizers; ``benchmarks.peers`` is imported into every
 run (TorchTitan's models at HyMo's shapes, and the optimizer-step timer). A run spec is
-``PRESET[:BATCH[:AC]]`` (``--global-batch`` sets the sequences per optimizer step, i.e.
+``PRESET[:BATCH[:AC[:VARIANT]]]`` (``--global-batch`` sets the sequences per optimizer step, i.e.
 gradient accumulation, for every run): BATCH a number, or ``max`` for the largest of ``--batches`` whose run
 fits under ``--mem-cap-gib`` (tried in increasing order, stopping at the first that does not);
-AC ``none`` | ``selective`` | ``full`` (default: the preset's).
+AC ``none`` | ``selective`` | ``full`` (default: the preset's); VARIANT the name of a
+``--variant NAME="ARGS"``: run_train.sh arguments for that run alone (arguments after ``--`` go
+to every run, the peers' included). So one call times a HyMo setting beside the shipped one and
+the peers, e.g. ``--runs hymo_750m:8:none hymo_750m:8:none:lean dsv3_32:4 --variant
+lean="--hymo.gdn_mixer_saves inputs"``.
 
 Per run, over the steps after ``--warmup`` (compile and allocator warm-up): median tokens/s,
 TFLOP/s and MFU as TorchTitan logs them, i.e. num_flops_per_token × tokens/s against the GPU's
@@ -38,6 +44,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -105,10 +112,12 @@ class Run:
     error: str = ""
     seconds: float = 0.0
     gpu: dict | None = None  # GpuSampler.summary over the timed steps
+    variant: str = ""  # a --variant name: its arguments go to this run alone
+    extra: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return f"{self.preset}:{self.batch}:{self.ac}"
+        return f"{self.preset}:{self.batch}:{self.ac}" + (f":{self.variant}" if self.variant else "")
 
     @property
     def is_hymo(self) -> bool:
@@ -217,11 +226,15 @@ class GpuSampler:
                     limit_w=max(col[3], default=nan), temp_c=max(col[4], default=nan), n=len(inside))
 
 
-def parse_spec(spec: str, dry: bool) -> tuple[str, str, str | None]:
+def parse_spec(spec: str, dry: bool, variants: dict[str, list[str]] | None = None
+               ) -> tuple[str, str, str | None, str]:
+    """(preset, batch, AC or None, variant name or "") of a run spec; a bad one exits in one line."""
     parts = spec.split(":")
-    if not 1 <= len(parts) <= 3 or parts[0] not in PRESETS:
-        raise SystemExit(f"train_bench: bad run spec {spec!r}: PRESET[:BATCH[:AC]] with PRESET one of {sorted(PRESETS)}")
+    if not 1 <= len(parts) <= 4 or parts[0] not in PRESETS:
+        raise SystemExit(f"train_bench: bad run spec {spec!r}: PRESET[:BATCH[:AC[:VARIANT]]] with PRESET one of "
+                         f"{sorted(PRESETS)}")
     preset, batch, ac = parts[0], (parts[1] if len(parts) > 1 else "4"), (parts[2] if len(parts) > 2 else None)
+    variant = parts[3] if len(parts) > 3 else ""
     if PRESETS[preset].get("dry", False) != dry:
         raise SystemExit(f"train_bench: preset {preset!r} is {'not ' if dry else ''}for the CPU dry run "
                          f"({'--dry' if not dry else 'drop --dry'})")
@@ -229,7 +242,25 @@ def parse_spec(spec: str, dry: bool) -> tuple[str, str, str | None]:
         raise SystemExit(f"train_bench: bad batch {batch!r} in {spec!r}: a positive number or 'max'")
     if ac not in (None, "none", "selective", "full"):
         raise SystemExit(f"train_bench: bad activation checkpointing {ac!r} in {spec!r}: none, selective or full")
-    return preset, batch, ac
+    if len(parts) > 3 and variant not in (variants or {}):
+        known = ", ".join(sorted(variants or {})) or "none given"
+        raise SystemExit(f"train_bench: unknown variant {variant!r} in {spec!r}: give it as --variant "
+                         f"{variant or 'NAME'}=\"ARGS\" (variants: {known})")
+    return preset, batch, ac, variant
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``NAME=ARGS`` -> (NAME, ARGS split as a shell would)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=\"ARGS\" with NAME of letters, digits, _ . -")
+    try:
+        words = shlex.split(rest)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if not words:
+        raise argparse.ArgumentTypeError(f"{text!r}: no arguments after '='")
+    return name, words
 
 
 def _failure_line(text: str) -> str:
@@ -261,7 +292,7 @@ def command(run: Run, args, workdir: Path) -> tuple[list[str], dict]:
         extra += ["--training.mixed_precision_param", "float32"]
     env = dict(os.environ, NGPU="1", LOG_RANK="0", CONFIG_FILE=config,
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return ["bash", str(REPO / "run_train.sh"), *extra, *args.extra], env
+    return ["bash", str(REPO / "run_train.sh"), *extra, *args.extra, *run.extra], env
 
 
 def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
@@ -293,15 +324,15 @@ def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
 
 
 def run_spec(spec: str, args, workdir: Path, log_dir: Path | None) -> list[Run]:
-    preset, batch, ac = parse_spec(spec, args.dry)
+    preset, batch, ac, variant = parse_spec(spec, args.dry, args.variants)
     ac = ac or PRESETS[preset]["ac"]
     seq = 64 if args.dry else args.seq_len
+    kw = dict(seq=seq, global_batch=args.global_batch, variant=variant, extra=list(args.variants.get(variant, [])))
     if batch != "max":
-        run = Run(preset, int(batch), ac, seq=seq, global_batch=args.global_batch)
-        return [execute(run, args, workdir, log_dir)]
+        return [execute(Run(preset, int(batch), ac, **kw), args, workdir, log_dir)]
     tried = []
     for b in args.batches:
-        r = execute(Run(preset, b, ac, seq=seq, global_batch=args.global_batch), args, workdir, log_dir)
+        r = execute(Run(preset, b, ac, **kw), args, workdir, log_dir)
         tried.append(r)
         print(f"train_bench: {r.name}: {r.error or f'{r.peak_gib():.1f} GiB'}", flush=True)
         if r.error or r.peak_gib() > args.mem_cap_gib:
@@ -340,7 +371,10 @@ def table(runs: list[Run], warmup: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=textwrap.dedent(f"presets: {', '.join(sorted(PRESETS))}"))
-    ap.add_argument("--runs", nargs="+", help=f"run specs PRESET[:BATCH[:AC]] (default: {' '.join(DEFAULT_RUNS)})")
+    ap.add_argument("--runs", nargs="+",
+                    help=f"run specs PRESET[:BATCH[:AC[:VARIANT]]] (default: {' '.join(DEFAULT_RUNS)})")
+    ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar='NAME="ARGS"',
+                    help="run_train.sh arguments for the runs whose spec ends in :NAME (repeatable)")
     ap.add_argument("--dry", action="store_true", help="CPU: tiny flavors, seq 64, fp32, no compile")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 12; 3 with --dry)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 6; 1 with --dry)")
@@ -359,9 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry else 6)
     if args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    args.variants = dict(args.variant)
+    if len(args.variants) != len(args.variant):
+        ap.error("a --variant name is given twice")
     specs = args.runs or (DRY_RUNS if args.dry else DEFAULT_RUNS)
     for s in specs:  # every spec checked before the first (minutes-long) run
-        parse_spec(s, args.dry)
+        parse_spec(s, args.dry, args.variants)
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []

@@ -1,6 +1,8 @@
 """benchmarks/train_bench.py and benchmarks/gdn_layer_bench.py: log parsing, run specs, the table's
 ratios, and each benchmark's CPU dry mode end to end (the code paths the GPU run takes)."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from benchmarks import gdn_layer_bench, train_bench
@@ -80,10 +82,33 @@ def test_the_sampler_keeps_everything_nvidia_smi_wrote(tmp_path, monkeypatch):
     ("nope:4", False, "bad run spec"), ("hymo_750m:0", False, "bad batch"), ("hymo_750m:4:some", False,
                                                                               "bad activation checkpointing"),
     ("hymo_debug:2", False, "for the CPU dry run"), ("hymo_750m:4", True, "not for the CPU dry run"),
+    ("hymo_750m:4:none:fast", False, "unknown variant 'fast' .* --variant fast=\"ARGS\" \\(variants: lean\\)"),
+    ("hymo_750m:4:none:lean:x", False, "bad run spec"),
 ])
 def test_bad_run_specs_fail_in_one_line(spec, dry, message):
     with pytest.raises(SystemExit, match=message):
-        train_bench.parse_spec(spec, dry)
+        train_bench.parse_spec(spec, dry, {"lean": ["--hymo.gdn_mixer_saves", "inputs"]})
+
+
+def test_variant_arguments_go_to_their_run_alone(tmp_path):
+    """A spec's :VARIANT adds that --variant's arguments to its run only, after the arguments
+    every run gets; the run is named with the variant, and the peers get none of them."""
+    name, words = train_bench.parse_variant('lean=--hymo.gdn_mixer_saves inputs --hymo.mla_flex_options "a=1, b=2"')
+    assert (name, words) == ("lean", ["--hymo.gdn_mixer_saves", "inputs", "--hymo.mla_flex_options", "a=1, b=2"])
+    args = SimpleNamespace(dry=False, steps=4, extra=["--training.max_norm", "1"], variants={name: words})
+    preset, batch, ac, variant = train_bench.parse_spec("hymo_750m:8:none:lean", False, args.variants)
+    run = train_bench.Run(preset, int(batch), ac, variant=variant, extra=args.variants[variant])
+    assert run.name == "hymo_750m:8:none:lean"
+    cmd, _ = train_bench.command(run, args, tmp_path)
+    assert cmd[-6:] == ["--training.max_norm", "1", *words]
+    peer, _ = train_bench.command(train_bench.Run("dsv3_32", 4, "none"), args, tmp_path)
+    assert peer[-2:] == ["--training.max_norm", "1"] and "--hymo.gdn_mixer_saves" not in peer
+
+
+@pytest.mark.parametrize("text", ["lean", "=--x", "le an=--x", "lean=", 'lean="--x'])
+def test_bad_variants_are_refused(text):
+    with pytest.raises(train_bench.argparse.ArgumentTypeError):
+        train_bench.parse_variant(text)
 
 
 def test_table_ratios_against_each_peer():
