@@ -3,8 +3,7 @@
     python -m benchmarks.train_bench                                   # the default runs, one GPU
     python -m benchmarks.train_bench --runs hymo_750m:16 dsv3_8:16 --steps 12
     python -m benchmarks.train_bench --runs hymo_750m:max --mem-cap-gib 80
-    python -m benchmarks.train_bench --runs hymo_750m:8:none hymo_750m:8:none:local dsv3_32:4 \
-        --variant local="--hymo.gdn_bwd_path local"                  # a HyMo setting beside the peers
+    python -m benchmarks.train_bench --runs hymo_750m:8 hymo_750m:8::v dsv3_32:4 --variant v="--hymo.gdn_bwd_path local"
     python -m benchmarks.train_bench --dry                             # CPU: the tiny flavors, 3 steps
 
 Each run is ``NGPU=1 ./run_train.sh`` (one process; FSDP2 and compile as the config says) with
@@ -15,11 +14,12 @@ run (TorchTitan's models at HyMo's shapes, and the optimizer-step timer). A run 
 ``PRESET[:BATCH[:AC[:VARIANT]]]`` (``--global-batch`` sets the sequences per optimizer step, i.e.
 gradient accumulation, for every run): BATCH a number, or ``max`` for the largest of ``--batches`` whose run
 fits under ``--mem-cap-gib`` (tried in increasing order, stopping at the first that does not);
-AC ``none`` | ``selective`` | ``full`` (default: the preset's); VARIANT the name of a
+AC ``none`` | ``selective`` | ``full`` (default, or left empty: the preset's); VARIANT the name of a
 ``--variant NAME="ARGS"``: run_train.sh arguments for that run alone (arguments after ``--`` go
 to every run, the peers' included). So one call times a HyMo setting beside the shipped one and
 the peers, e.g. ``--runs hymo_750m:8:none hymo_750m:8:none:lean dsv3_32:4 --variant
-lean="--hymo.gdn_mixer_saves inputs"``.
+lean="--hymo.gdn_mixer_saves inputs"``; the table then also gives each variant run's tokens/s
+over the run of the same preset, batch and AC without a variant.
 
 Per run, over the steps after ``--warmup`` (compile and allocator warm-up): median tokens/s,
 TFLOP/s and MFU as TorchTitan logs them, i.e. num_flops_per_token × tokens/s against the GPU's
@@ -233,7 +233,7 @@ def parse_spec(spec: str, dry: bool, variants: dict[str, list[str]] | None = Non
     if not 1 <= len(parts) <= 4 or parts[0] not in PRESETS:
         raise SystemExit(f"train_bench: bad run spec {spec!r}: PRESET[:BATCH[:AC[:VARIANT]]] with PRESET one of "
                          f"{sorted(PRESETS)}")
-    preset, batch, ac = parts[0], (parts[1] if len(parts) > 1 else "4"), (parts[2] if len(parts) > 2 else None)
+    preset, batch, ac = parts[0], (parts[1] if len(parts) > 1 else "4"), (parts[2] or None if len(parts) > 2 else None)
     variant = parts[3] if len(parts) > 3 else ""
     if PRESETS[preset].get("dry", False) != dry:
         raise SystemExit(f"train_bench: preset {preset!r} is {'not ' if dry else ''}for the CPU dry run "
@@ -242,6 +242,8 @@ def parse_spec(spec: str, dry: bool, variants: dict[str, list[str]] | None = Non
         raise SystemExit(f"train_bench: bad batch {batch!r} in {spec!r}: a positive number or 'max'")
     if ac not in (None, "none", "selective", "full"):
         raise SystemExit(f"train_bench: bad activation checkpointing {ac!r} in {spec!r}: none, selective or full")
+    if len(parts) > 3 and not variant:
+        raise SystemExit(f"train_bench: empty VARIANT in {spec!r}: name a --variant after the last ':', or drop it")
     if len(parts) > 3 and variant not in (variants or {}):
         known = ", ".join(sorted(variants or {})) or "none given"
         raise SystemExit(f"train_bench: unknown variant {variant!r} in {spec!r}: give it as --variant "
@@ -359,6 +361,11 @@ def table(runs: list[Run], warmup: int) -> str:
                     f"{r.peak_gib():.1f} | {opt:.1f} ({share:.1f} %) | {gpu} | {r.error} |")
     hymo = [r for r in runs if r.is_hymo and r.steps]
     peers = [r for r in runs if not r.is_hymo and r.steps]
+    pairs = [(r, b) for r in runs if r.variant and r.steps for b in runs
+             if not b.variant and b.steps and (b.preset, b.batch, b.ac) == (r.preset, r.batch, r.ac)]
+    if pairs:
+        rows += ["", "| variant run / the same run without it | tokens/s ratio |", "|---|---|"]
+        rows += [f"| {r.name} / {b.name} | {r.median('tps', warmup) / b.median('tps', warmup):.3f} |" for r, b in pairs]
     if hymo and peers:
         rows += ["", "| HyMo run / peer run | tokens/s ratio |", "|---|---|"]
         for h in hymo:
@@ -394,11 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     args.variants = dict(args.variant)
-    if len(args.variants) != len(args.variant):
-        ap.error("a --variant name is given twice")
+    for name in args.variants:
+        if sum(n == name for n, _ in args.variant) > 1:
+            ap.error(f"--variant {name} is given twice")
     specs = args.runs or (DRY_RUNS if args.dry else DEFAULT_RUNS)
-    for s in specs:  # every spec checked before the first (minutes-long) run
-        parse_spec(s, args.dry, args.variants)
+    used = {parse_spec(s, args.dry, args.variants)[3] for s in specs}  # every spec checked before the first run
+    for name in sorted(set(args.variants) - used):
+        print(f"train_bench: --variant {name} is not used by any run spec", flush=True)
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []

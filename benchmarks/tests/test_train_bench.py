@@ -83,7 +83,7 @@ def test_the_sampler_keeps_everything_nvidia_smi_wrote(tmp_path, monkeypatch):
                                                                               "bad activation checkpointing"),
     ("hymo_debug:2", False, "for the CPU dry run"), ("hymo_750m:4", True, "not for the CPU dry run"),
     ("hymo_750m:4:none:fast", False, "unknown variant 'fast' .* --variant fast=\"ARGS\" \\(variants: lean\\)"),
-    ("hymo_750m:4:none:lean:x", False, "bad run spec"),
+    ("hymo_750m:4:none:lean:x", False, "bad run spec"), ("hymo_750m:4:none:", False, "empty VARIANT"),
 ])
 def test_bad_run_specs_fail_in_one_line(spec, dry, message):
     with pytest.raises(SystemExit, match=message):
@@ -103,6 +103,35 @@ def test_variant_arguments_go_to_their_run_alone(tmp_path):
     assert cmd[-6:] == ["--training.max_norm", "1", *words]
     peer, _ = train_bench.command(train_bench.Run("dsv3_32", 4, "none"), args, tmp_path)
     assert peer[-2:] == ["--training.max_norm", "1"] and "--hymo.gdn_mixer_saves" not in peer
+
+
+def test_variants_reach_their_runs_through_main(monkeypatch, capsys):
+    """From the command line: each spec's variant arguments, and no others, reach every run it
+    makes (BATCH = max tries several); an empty AC is the preset's; the table sets each variant
+    run against the same run without it; an unused --variant is named."""
+    seen = []
+
+    def fake_execute(run, args, workdir, log_dir):
+        seen.append((run.name, list(run.extra)))
+        tps = 100_000.0 if run.variant else 80_000.0
+        run.steps = [dict(step=s, loss=1.0, mem=10.0, tps=tps, tflops=1.0, mfu=1.0) for s in (1, 2, 3)]
+        return run
+
+    monkeypatch.setattr(train_bench, "execute", fake_execute)
+    rc = train_bench.main(["--runs", "hymo_750m:8", "hymo_750m:8::lean", "hymo_750m:max:none:lean", "--steps", "3",
+                           "--warmup", "1", "--batches", "4,8", "--variant", "lean=--x 1", "--variant", "spare=--y"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert seen == [("hymo_750m:8:selective", []), ("hymo_750m:8:selective:lean", ["--x", "1"]),
+                    ("hymo_750m:4:none:lean", ["--x", "1"]), ("hymo_750m:8:none:lean", ["--x", "1"])]
+    assert "| hymo_750m:8:selective:lean / hymo_750m:8:selective | 1.250 |" in out
+    assert "--variant spare is not used by any run spec" in out
+
+
+def test_a_variant_given_twice_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        train_bench.main(["--dry", "--runs", "hymo_debug:2:none:a", "--variant", "a=--x", "--variant", "a=--y"])
+    assert "--variant a is given twice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["lean", "=--x", "le an=--x", "lean=", 'lean="--x'])
