@@ -46,6 +46,10 @@ def test_register_cap_variants_and_table_entry():
     cfg = gdn_config.config_from_entry(32, 32, 256, entry)
     capped = bench.variant_config(cfg, "nreg128")
     assert {getattr(capped, k).maxnreg for k in capped.kernels()} == {128} and capped.fwd_out.block == 32
+    fwd = bench.variant_config(cfg, "fwd_nreg168")  # the two forward chunk kernels alone
+    assert {k: getattr(fwd, k).maxnreg for k in fwd.kernels()} == {
+        k: 168 if k in ("fwd_prep", "fwd_out") else getattr(cfg, k).maxnreg for k in cfg.kernels()}
+    assert fwd.fwd_out.block == 32 and fwd.bwd_local == cfg.bwd_local
     text = tune.table_entry(cfg, 32, 32, 256)
     parsed = eval(text.split(": ", 1)[1].rstrip(","), {"dict": dict})  # noqa: S307 - our own output
     again = gdn_config.config_from_entry(32, 32, 256, parsed)
