@@ -247,7 +247,7 @@ def parse_spec(spec: str, dry: bool, variants: dict[str, list[str]] | None = Non
     if len(parts) > 3 and variant not in (variants or {}):
         known = ", ".join(sorted(variants or {})) or "none given"
         raise SystemExit(f"train_bench: unknown variant {variant!r} in {spec!r}: give it as --variant "
-                         f"{variant or 'NAME'}=\"ARGS\" (variants: {known})")
+                         f"{variant}=\"ARGS\" (variants: {known})")
     return preset, batch, ac, variant
 
 
