@@ -4,6 +4,7 @@
     python -m benchmarks.train_bench --runs hymo_750m:16 dsv3_8:16 --steps 12
     python -m benchmarks.train_bench --runs hymo_750m:max --mem-cap-gib 80
     python -m benchmarks.train_bench --runs hymo_750m:8 hymo_750m:8::v dsv3_32:4 --variant v="--hymo.gdn_bwd_path local"
+    python -m benchmarks.train_bench --runs hymo_750m:8:none hymo_750m:8:none:old --tree old=/tmp/old
     python -m benchmarks.train_bench --dry                             # CPU: the tiny flavors, 3 steps
 
 Each run is ``NGPU=1 ./run_train.sh`` (one process; FSDP2 and compile as the config says) with
@@ -19,7 +20,13 @@ AC ``none`` | ``selective`` | ``full`` (default, or left empty: the preset's); V
 to every run, the peers' included). So one call times a HyMo setting beside the shipped one and
 the peers, e.g. ``--runs hymo_750m:8:none hymo_750m:8:none:lean dsv3_32:4 --variant
 lean="--hymo.gdn_mixer_saves inputs"``; the table then also gives each variant run's tokens/s
-over the run of the same preset, batch and AC without a variant.
+over the run of the same preset, batch and AC without a variant. A ``--tree NAME=DIR`` is a
+variant of code instead of arguments: the runs whose spec ends in ``:NAME`` run DIR's
+run_train.sh from DIR, with DIR's code and kernels first on the path (DIR a copy of the
+repository at another revision, e.g. ``git archive REV | tar -x -C DIR``; this checkout's
+data/brown and assets/tokenizer are linked into it where it has none), so a code change is timed
+beside the code before it in one call: ``--runs hymo_750m:8:none hymo_750m:8:none:base --tree
+base=/tmp/base``.
 
 Per run, over the steps after ``--warmup`` (compile and allocator warm-up): median tokens/s,
 TFLOP/s and MFU as TorchTitan logs them, i.e. num_flops_per_token × tokens/s against the GPU's
@@ -112,8 +119,9 @@ class Run:
     error: str = ""
     seconds: float = 0.0
     gpu: dict | None = None  # GpuSampler.summary over the timed steps
-    variant: str = ""  # a --variant name: its arguments go to this run alone
+    variant: str = ""  # a --variant or --tree name: its arguments or its code for this run alone
     extra: list[str] = dataclasses.field(default_factory=list)
+    tree: Path | None = None  # a --tree's copy of the repository that this run runs from
 
     @property
     def name(self) -> str:
@@ -226,9 +234,9 @@ class GpuSampler:
                     limit_w=max(col[3], default=nan), temp_c=max(col[4], default=nan), n=len(inside))
 
 
-def parse_spec(spec: str, dry: bool, variants: dict[str, list[str]] | None = None
-               ) -> tuple[str, str, str | None, str]:
-    """(preset, batch, AC or None, variant name or "") of a run spec; a bad one exits in one line."""
+def parse_spec(spec: str, dry: bool, variants: dict | None = None) -> tuple[str, str, str | None, str]:
+    """(preset, batch, AC or None, variant name or "") of a run spec; a bad one exits in one line.
+    ``variants``: the --variant and --tree names."""
     parts = spec.split(":")
     if not 1 <= len(parts) <= 4 or parts[0] not in PRESETS:
         raise SystemExit(f"train_bench: bad run spec {spec!r}: PRESET[:BATCH[:AC[:VARIANT]]] with PRESET one of "
@@ -247,7 +255,7 @@ def parse_spec(spec: str, dry: bool, variants: dict[str, list[str]] | None = Non
     if len(parts) > 3 and variant not in (variants or {}):
         known = ", ".join(sorted(variants or {})) or "none given"
         raise SystemExit(f"train_bench: unknown variant {variant!r} in {spec!r}: give it as --variant "
-                         f"{variant}=\"ARGS\" (variants: {known})")
+                         f"{variant}=\"ARGS\" or --tree {variant}=DIR (variants: {known})")
     return preset, batch, ac, variant
 
 
@@ -265,6 +273,34 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, words
 
 
+def parse_tree(text: str) -> tuple[str, Path]:
+    """``NAME=DIR`` -> (NAME, DIR) for a copy of the repository with its run_train.sh and kernels."""
+    name, sep, rest = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=DIR with NAME of letters, digits, _ . -")
+    tree = Path(rest).expanduser().resolve()
+    for need in ("run_train.sh", "kernels/__init__.py"):
+        if not (tree / need).is_file():
+            raise argparse.ArgumentTypeError(f"{text!r}: {tree} has no {need}: give a copy of the repository")
+    return name, tree
+
+
+def _tree_path(tree: Path, workdir: Path) -> list[str]:
+    """The path entries of a run from ``tree``: its kernels under their import name (a link in a
+    folder of its own under workdir), then the tree; this checkout's data and tokenizer linked in
+    where the tree has none."""
+    site = workdir / "trees" / tree.name
+    site.mkdir(parents=True, exist_ok=True)
+    link = site / "hymo_kernels"
+    if not link.is_symlink():
+        link.symlink_to(tree / "kernels")
+    for rel in ("data/brown", "assets/tokenizer"):
+        if (REPO / rel).exists() and not (tree / rel).exists():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).symlink_to(REPO / rel)
+    return [str(site), str(tree)]
+
+
 def _failure_line(text: str) -> str:
     """The line that names a failed run's cause: HyMo's one-line config error, else the last exception."""
     lines = [re.sub(r"^(\[rank\d+\]:)+", "", _ANSI.sub("", line)).strip() for line in text.splitlines()]
@@ -272,8 +308,10 @@ def _failure_line(text: str) -> str:
     return (named or [line for line in lines if line.strip()] or ["no output"])[-1][:300]
 
 
-def command(run: Run, args, workdir: Path) -> tuple[list[str], dict]:
+def command(run: Run, args, workdir: Path) -> tuple[list[str], dict, Path]:
+    """(the run's command, its environment, the folder it runs in)."""
     p = PRESETS[run.preset]
+    root = run.tree or REPO
     if "config" in p:
         config = p["config"]
     else:
@@ -292,17 +330,20 @@ def command(run: Run, args, workdir: Path) -> tuple[list[str], dict]:
     ]
     if args.dry:
         extra += ["--training.mixed_precision_param", "float32"]
+    # a tree's code ahead of this checkout's; benchmarks.peers from this checkout when the tree has none
+    first = _tree_path(run.tree, workdir) if run.tree else [str(REPO)]
     env = dict(os.environ, NGPU="1", LOG_RANK="0", CONFIG_FILE=config,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return ["bash", str(REPO / "run_train.sh"), *extra, *args.extra, *run.extra], env
+               PYTHONPATH=os.pathsep.join(filter(None, [*first, os.environ.get("PYTHONPATH"),
+                                                        str(REPO) if run.tree else None])))
+    return ["bash", str(root / "run_train.sh"), *extra, *args.extra, *run.extra], env, root
 
 
 def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
-    cmd, env = command(run, args, workdir)
+    cmd, env, cwd = command(run, args, workdir)
     start = time.monotonic()
     with GpuSampler() as sampler:
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
             text, rc = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
             text = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
@@ -326,10 +367,11 @@ def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
 
 
 def run_spec(spec: str, args, workdir: Path, log_dir: Path | None) -> list[Run]:
-    preset, batch, ac, variant = parse_spec(spec, args.dry, args.variants)
+    preset, batch, ac, variant = parse_spec(spec, args.dry, {**args.variants, **args.trees})
     ac = ac or PRESETS[preset]["ac"]
     seq = 64 if args.dry else args.seq_len
-    kw = dict(seq=seq, global_batch=args.global_batch, variant=variant, extra=list(args.variants.get(variant, [])))
+    kw = dict(seq=seq, global_batch=args.global_batch, variant=variant, extra=list(args.variants.get(variant, [])),
+              tree=args.trees.get(variant))
     if batch != "max":
         return [execute(Run(preset, int(batch), ac, **kw), args, workdir, log_dir)]
     tried = []
@@ -382,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"run specs PRESET[:BATCH[:AC[:VARIANT]]] (default: {' '.join(DEFAULT_RUNS)})")
     ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar='NAME="ARGS"',
                     help="run_train.sh arguments for the runs whose spec ends in :NAME (repeatable)")
+    ap.add_argument("--tree", type=parse_tree, action="append", default=[], metavar="NAME=DIR",
+                    help="a copy of the repository that the runs whose spec ends in :NAME run from (repeatable)")
     ap.add_argument("--dry", action="store_true", help="CPU: tiny flavors, seq 64, fp32, no compile")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 12; 3 with --dry)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 6; 1 with --dry)")
@@ -400,14 +444,17 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry else 6)
     if args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
-    args.variants = dict(args.variant)
-    for name in args.variants:
-        if sum(n == name for n, _ in args.variant) > 1:
-            ap.error(f"--variant {name} is given twice")
+    named = [("--variant", n) for n, _ in args.variant] + [("--tree", n) for n, _ in args.tree]
+    for flag, name in named:
+        if sum(n == name for _, n in named) > 1:
+            ap.error(f"{flag} {name} is given twice (a --variant and a --tree share one set of names)")
+    args.variants, args.trees = dict(args.variant), dict(args.tree)
+    names = {**args.variants, **args.trees}
     specs = args.runs or (DRY_RUNS if args.dry else DEFAULT_RUNS)
-    used = {parse_spec(s, args.dry, args.variants)[3] for s in specs}  # every spec checked before the first run
-    for name in sorted(set(args.variants) - used):
-        print(f"train_bench: --variant {name} is not used by any run spec", flush=True)
+    used = {parse_spec(s, args.dry, names)[3] for s in specs}  # every spec checked before the first run
+    for flag, name in named:
+        if name not in used:
+            print(f"train_bench: {flag} {name} is not used by any run spec", flush=True)
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []

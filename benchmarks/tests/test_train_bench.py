@@ -82,7 +82,7 @@ def test_the_sampler_keeps_everything_nvidia_smi_wrote(tmp_path, monkeypatch):
     ("nope:4", False, "bad run spec"), ("hymo_750m:0", False, "bad batch"), ("hymo_750m:4:some", False,
                                                                               "bad activation checkpointing"),
     ("hymo_debug:2", False, "for the CPU dry run"), ("hymo_750m:4", True, "not for the CPU dry run"),
-    ("hymo_750m:4:none:fast", False, "unknown variant 'fast' .* --variant fast=\"ARGS\" \\(variants: lean\\)"),
+    ("hymo_750m:4:none:fast", False, "unknown variant 'fast' .* --variant fast=\"ARGS\" or --tree fast=DIR \\(variants: lean\\)"),
     ("hymo_750m:4:none:lean:x", False, "bad run spec"), ("hymo_750m:4:none:", False, "empty VARIANT"),
 ])
 def test_bad_run_specs_fail_in_one_line(spec, dry, message):
@@ -99,9 +99,10 @@ def test_variant_arguments_go_to_their_run_alone(tmp_path):
     preset, batch, ac, variant = train_bench.parse_spec("hymo_750m:8:none:lean", False, args.variants)
     run = train_bench.Run(preset, int(batch), ac, variant=variant, extra=args.variants[variant])
     assert run.name == "hymo_750m:8:none:lean"
-    cmd, _ = train_bench.command(run, args, tmp_path)
+    cmd, _, cwd = train_bench.command(run, args, tmp_path)
+    assert cwd == train_bench.REPO and cmd[1] == str(train_bench.REPO / "run_train.sh")
     assert cmd[-6:] == ["--training.max_norm", "1", *words]
-    peer, _ = train_bench.command(train_bench.Run("dsv3_32", 4, "none"), args, tmp_path)
+    peer, _, _ = train_bench.command(train_bench.Run("dsv3_32", 4, "none"), args, tmp_path)
     assert peer[-2:] == ["--training.max_norm", "1"] and "--hymo.gdn_mixer_saves" not in peer
 
 
@@ -126,6 +127,72 @@ def test_variants_reach_their_runs_through_main(monkeypatch, capsys):
                     ("hymo_750m:4:none:lean", ["--x", "1"]), ("hymo_750m:8:none:lean", ["--x", "1"])]
     assert "| hymo_750m:8:selective:lean / hymo_750m:8:selective | 1.250 |" in out
     assert "--variant spare is not used by any run spec" in out
+
+
+def _tree(root, files=("run_train.sh", "kernels/__init__.py")):
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text("")
+    return root
+
+
+def test_a_tree_run_runs_the_trees_code(tmp_path, monkeypatch):
+    """A --tree run starts the tree's run_train.sh in the tree, with the tree's kernels (under
+    their import name) and code ahead of everything else on the path and this checkout last;
+    this checkout's data and tokenizer are linked into a tree that has none."""
+    tree = _tree(tmp_path / "old")
+    name, got = train_bench.parse_tree(f"old={tree}")
+    assert (name, got) == ("old", tree.resolve())
+    monkeypatch.setenv("PYTHONPATH", "/site")
+    args = SimpleNamespace(dry=False, steps=4, extra=[], variants={}, trees={name: got})
+    run = train_bench.Run("hymo_750m", 8, "none", variant=name, tree=got)
+    work = tmp_path / "work"
+    cmd, env, cwd = train_bench.command(run, args, work)
+    assert cwd == got and cmd[1] == str(got / "run_train.sh")
+    path = env["PYTHONPATH"].split(":")
+    assert path == [str(work / "trees" / "old"), str(got), "/site", str(train_bench.REPO)]
+    assert (work / "trees" / "old" / "hymo_kernels").resolve() == got / "kernels"
+    for rel in ("data/brown", "assets/tokenizer"):
+        if (train_bench.REPO / rel).exists():
+            assert (got / rel).resolve() == (train_bench.REPO / rel).resolve()
+    train_bench.command(run, args, work)  # a second run from the same tree reuses its links
+    plain, env, cwd = train_bench.command(train_bench.Run("hymo_750m", 8, "none"), args, work)
+    assert cwd == train_bench.REPO and env["PYTHONPATH"].split(":") == [str(train_bench.REPO), "/site"]
+
+
+@pytest.mark.parametrize("files, message", [(("kernels/__init__.py",), "has no run_train.sh"),
+                                            (("run_train.sh",), "has no kernels/__init__.py")])
+def test_a_tree_without_the_repository_is_refused(tmp_path, files, message):
+    tree = _tree(tmp_path / "t", files)
+    with pytest.raises(train_bench.argparse.ArgumentTypeError, match=message):
+        train_bench.parse_tree(f"t={tree}")
+    with pytest.raises(train_bench.argparse.ArgumentTypeError, match="NAME=DIR"):
+        train_bench.parse_tree(str(tree))
+
+
+def test_trees_reach_their_runs_through_main(tmp_path, monkeypatch, capsys):
+    """From the command line: a spec ending in a --tree's name runs from that tree, the others
+    from this checkout, and the table sets the tree's run against the same run without it; a
+    name given as both a --variant and a --tree is refused."""
+    tree = _tree(tmp_path / "old").resolve()
+    seen = []
+
+    def fake_execute(run, args, workdir, log_dir):
+        seen.append((run.name, run.tree, list(run.extra)))
+        tps = 90_000.0 if run.tree else 100_000.0
+        run.steps = [dict(step=s, loss=1.0, mem=10.0, tps=tps, tflops=1.0, mfu=1.0) for s in (1, 2, 3)]
+        return run
+
+    monkeypatch.setattr(train_bench, "execute", fake_execute)
+    rc = train_bench.main(["--runs", "hymo_750m:8:none", "hymo_750m:8:none:old", "--steps", "3", "--warmup", "1",
+                           "--tree", f"old={tree}"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert seen == [("hymo_750m:8:none", None, []), ("hymo_750m:8:none:old", tree, [])]
+    assert "| hymo_750m:8:none:old / hymo_750m:8:none | 0.900 |" in out
+    with pytest.raises(SystemExit):
+        train_bench.main(["--runs", "hymo_750m:8:none:old", "--tree", f"old={tree}", "--variant", "old=--x"])
+    assert "given twice" in capsys.readouterr().err
 
 
 def test_a_variant_given_twice_is_refused(capsys):
