@@ -22,11 +22,12 @@ the peers, e.g. ``--runs hymo_750m:8:none hymo_750m:8:none:lean dsv3_32:4 --vari
 lean="--hymo.gdn_mixer_saves inputs"``; the table then also gives each variant run's tokens/s
 over the run of the same preset, batch and AC without a variant. A ``--tree NAME=DIR`` is a
 variant of code instead of arguments: the runs whose spec ends in ``:NAME`` run DIR's
-run_train.sh from DIR, with DIR's code and kernels first on the path (DIR a copy of the
-repository at another revision, e.g. ``git archive REV | tar -x -C DIR``; this checkout's
-data/brown and assets/tokenizer are linked into it where it has none), so a code change is timed
-beside the code before it in one call: ``--runs hymo_750m:8:none hymo_750m:8:none:base --tree
-base=/tmp/base``.
+run_train.sh from DIR, with DIR's code and kernels first on the path, so its configs, its
+``benchmarks.peers`` and its launcher too (DIR a copy of the repository at another revision,
+e.g. ``git archive REV | tar -x -C DIR``; this checkout's data/brown and assets/tokenizer are
+linked into it where it has none, the one write into DIR), so a code change is timed beside the
+code before it in one call: ``--runs hymo_750m:8:none hymo_750m:8:none:base --tree
+base=/tmp/base``. Every run's ``python3`` is the interpreter that runs this script.
 
 Per run, over the steps after ``--warmup`` (compile and allocator warm-up): median tokens/s,
 TFLOP/s and MFU as TorchTitan logs them, i.e. num_flops_per_token × tokens/s against the GPU's
@@ -279,26 +280,33 @@ def parse_tree(text: str) -> tuple[str, Path]:
     if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not rest:
         raise argparse.ArgumentTypeError(f"{text!r}: give NAME=DIR with NAME of letters, digits, _ . -")
     tree = Path(rest).expanduser().resolve()
+    if tree == REPO:
+        raise argparse.ArgumentTypeError(f"{text!r}: {tree} is this checkout: give a copy at another revision")
     for need in ("run_train.sh", "kernels/__init__.py"):
         if not (tree / need).is_file():
             raise argparse.ArgumentTypeError(f"{text!r}: {tree} has no {need}: give a copy of the repository")
     return name, tree
 
 
-def _tree_path(tree: Path, workdir: Path) -> list[str]:
-    """The path entries of a run from ``tree``: its kernels under their import name (a link in a
-    folder of its own under workdir), then the tree; this checkout's data and tokenizer linked in
-    where the tree has none."""
-    site = workdir / "trees" / tree.name
-    site.mkdir(parents=True, exist_ok=True)
-    link = site / "hymo_kernels"
-    if not link.is_symlink():
-        link.symlink_to(tree / "kernels")
-    for rel in ("data/brown", "assets/tokenizer"):
-        if (REPO / rel).exists() and not (tree / rel).exists():
-            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tree / rel).symlink_to(REPO / rel)
-    return [str(site), str(tree)]
+def link_tree(name: str, tree: Path, workdir: Path) -> None:
+    """Readies a --tree before the first run: its kernels linked under their import name in a
+    folder of its own (workdir/trees/NAME), this checkout's data and tokenizer linked into the
+    tree where it has none. A link that cannot be made exits in one line."""
+    site = workdir / "trees" / name
+    try:
+        site.mkdir(parents=True, exist_ok=True)
+        (site / "hymo_kernels").symlink_to(tree / "kernels")
+        for rel in ("data/brown", "assets/tokenizer"):
+            if (REPO / rel).exists() and not os.path.lexists(tree / rel):
+                (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tree / rel).symlink_to(REPO / rel)
+    except OSError as e:
+        raise SystemExit(f"train_bench: --tree {name}={tree}: {e}") from None
+
+
+def _tree_path(name: str, tree: Path, workdir: Path) -> list[str]:
+    """The path entries of a run from a --tree (link_tree made them): its kernels, then the tree."""
+    return [str(workdir / "trees" / name), str(tree)]
 
 
 def _failure_line(text: str) -> str:
@@ -330,11 +338,13 @@ def command(run: Run, args, workdir: Path) -> tuple[list[str], dict, Path]:
     ]
     if args.dry:
         extra += ["--training.mixed_precision_param", "float32"]
-    # a tree's code ahead of this checkout's; benchmarks.peers from this checkout when the tree has none
-    first = _tree_path(run.tree, workdir) if run.tree else [str(REPO)]
+    # a tree's kernels and code (its benchmarks.peers too) ahead of everything on the path; the
+    # run's python3 is this interpreter, whose environment has torch and the wheels (a tree has
+    # no .venv of its own for its run_train.sh to find)
+    first = _tree_path(run.variant, run.tree, workdir) if run.tree else [str(REPO)]
     env = dict(os.environ, NGPU="1", LOG_RANK="0", CONFIG_FILE=config,
-               PYTHONPATH=os.pathsep.join(filter(None, [*first, os.environ.get("PYTHONPATH"),
-                                                        str(REPO) if run.tree else None])))
+               PATH=os.pathsep.join(filter(None, [str(Path(sys.executable).parent), os.environ.get("PATH")])),
+               PYTHONPATH=os.pathsep.join(filter(None, [*first, os.environ.get("PYTHONPATH")])))
     return ["bash", str(root / "run_train.sh"), *extra, *args.extra, *run.extra], env, root
 
 
@@ -446,8 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     named = [("--variant", n) for n, _ in args.variant] + [("--tree", n) for n, _ in args.tree]
     for flag, name in named:
+        flags = {f for f, n in named if n == name}
+        if len(flags) > 1:
+            ap.error(f"{name} is given as both --variant and --tree")
         if sum(n == name for _, n in named) > 1:
-            ap.error(f"{flag} {name} is given twice (a --variant and a --tree share one set of names)")
+            ap.error(f"{flag} {name} is given twice")
     args.variants, args.trees = dict(args.variant), dict(args.tree)
     names = {**args.variants, **args.trees}
     specs = args.runs or (DRY_RUNS if args.dry else DEFAULT_RUNS)
@@ -459,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="train_bench_") as tmp:
+        for name, tree in args.trees.items():
+            link_tree(name, tree, Path(tmp))
         for spec in specs:
             for r in run_spec(spec, args, Path(tmp), args.log_dir):
                 runs.append(r)

@@ -138,26 +138,51 @@ def _tree(root, files=("run_train.sh", "kernels/__init__.py")):
 
 def test_a_tree_run_runs_the_trees_code(tmp_path, monkeypatch):
     """A --tree run starts the tree's run_train.sh in the tree, with the tree's kernels (under
-    their import name) and code ahead of everything else on the path and this checkout last;
-    this checkout's data and tokenizer are linked into a tree that has none."""
+    their import name) and code ahead of everything else on the path and this interpreter's
+    folder first on PATH; this checkout's data and tokenizer are linked into a tree that has
+    none, and a tree's own are left alone."""
+    repo = tmp_path / "repo"
+    for rel in ("data/brown", "assets/tokenizer"):
+        (repo / rel).mkdir(parents=True)
+    monkeypatch.setattr(train_bench, "REPO", repo)
     tree = _tree(tmp_path / "old")
+    (tree / "assets" / "tokenizer").mkdir(parents=True)  # the tree's own
     name, got = train_bench.parse_tree(f"old={tree}")
     assert (name, got) == ("old", tree.resolve())
     monkeypatch.setenv("PYTHONPATH", "/site")
     args = SimpleNamespace(dry=False, steps=4, extra=[], variants={}, trees={name: got})
     run = train_bench.Run("hymo_750m", 8, "none", variant=name, tree=got)
     work = tmp_path / "work"
+    train_bench.link_tree(name, got, work)
     cmd, env, cwd = train_bench.command(run, args, work)
     assert cwd == got and cmd[1] == str(got / "run_train.sh")
-    path = env["PYTHONPATH"].split(":")
-    assert path == [str(work / "trees" / "old"), str(got), "/site", str(train_bench.REPO)]
+    assert env["PYTHONPATH"].split(":") == [str(work / "trees" / "old"), str(got), "/site"]
+    assert env["PATH"].split(":")[0] == str(train_bench.Path(train_bench.sys.executable).parent)
     assert (work / "trees" / "old" / "hymo_kernels").resolve() == got / "kernels"
-    for rel in ("data/brown", "assets/tokenizer"):
-        if (train_bench.REPO / rel).exists():
-            assert (got / rel).resolve() == (train_bench.REPO / rel).resolve()
-    train_bench.command(run, args, work)  # a second run from the same tree reuses its links
+    assert (got / "data" / "brown").is_symlink() and (got / "data" / "brown").resolve() == repo / "data" / "brown"
+    assert not (got / "assets" / "tokenizer").is_symlink()
     plain, env, cwd = train_bench.command(train_bench.Run("hymo_750m", 8, "none"), args, work)
-    assert cwd == train_bench.REPO and env["PYTHONPATH"].split(":") == [str(train_bench.REPO), "/site"]
+    assert cwd == repo and env["PYTHONPATH"].split(":") == [str(repo), "/site"]
+
+
+def test_trees_in_folders_of_one_name_keep_their_own_kernels(tmp_path):
+    """Two --trees whose folders share a last name each get their own kernels link."""
+    a, b = _tree(tmp_path / "x" / "repo"), _tree(tmp_path / "y" / "repo")
+    work = tmp_path / "work"
+    for name, tree in (("a", a), ("b", b)):
+        train_bench.link_tree(name, tree.resolve(), work)
+    assert (work / "trees" / "a" / "hymo_kernels").resolve() == a.resolve() / "kernels"
+    assert (work / "trees" / "b" / "hymo_kernels").resolve() == b.resolve() / "kernels"
+
+
+def test_a_tree_whose_links_cannot_be_made_fails_in_one_line(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "data" / "brown").mkdir(parents=True)
+    monkeypatch.setattr(train_bench, "REPO", repo)
+    tree = _tree(tmp_path / "old")
+    (tree / "data").write_text("a file where the data folder should be")
+    with pytest.raises(SystemExit, match="--tree old=.*old"):
+        train_bench.link_tree("old", tree, tmp_path / "work")
 
 
 @pytest.mark.parametrize("files, message", [(("kernels/__init__.py",), "has no run_train.sh"),
@@ -168,6 +193,11 @@ def test_a_tree_without_the_repository_is_refused(tmp_path, files, message):
         train_bench.parse_tree(f"t={tree}")
     with pytest.raises(train_bench.argparse.ArgumentTypeError, match="NAME=DIR"):
         train_bench.parse_tree(str(tree))
+
+
+def test_this_checkout_as_a_tree_is_refused():
+    with pytest.raises(train_bench.argparse.ArgumentTypeError, match="is this checkout"):
+        train_bench.parse_tree(f"self={train_bench.REPO}")
 
 
 def test_trees_reach_their_runs_through_main(tmp_path, monkeypatch, capsys):
@@ -192,7 +222,12 @@ def test_trees_reach_their_runs_through_main(tmp_path, monkeypatch, capsys):
     assert "| hymo_750m:8:none:old / hymo_750m:8:none | 0.900 |" in out
     with pytest.raises(SystemExit):
         train_bench.main(["--runs", "hymo_750m:8:none:old", "--tree", f"old={tree}", "--variant", "old=--x"])
-    assert "given twice" in capsys.readouterr().err
+    assert "old is given as both --variant and --tree" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_bench.main(["--runs", "hymo_750m:8:none:old", "--tree", f"old={tree}", "--tree", f"old={tree}"])
+    assert "--tree old is given twice" in capsys.readouterr().err
+    train_bench.main(["--runs", "hymo_750m:8:none", "--steps", "3", "--warmup", "1", "--tree", f"old={tree}"])
+    assert "--tree old is not used by any run spec" in capsys.readouterr().out
 
 
 def test_a_variant_given_twice_is_refused(capsys):
@@ -217,6 +252,33 @@ def test_table_ratios_against_each_peer():
     assert "| hymo_750m:4:none / dsv3_32:4:none (same batch) | 3.00 |" in text
     # step time 4 x 4096 / 120,000 s = 136.5 ms, so 5 ms is 3.7 %
     assert "5.0 (3.7 %)" in text
+
+
+@pytest.mark.slow
+def test_a_tree_run_imports_the_trees_code(tmp_path, capsys):
+    """End to end on the CPU: a dry run from a copy of this checkout whose hymo_recipes and
+    kernels print a marker on import logs both markers; the run from this checkout logs none."""
+    import subprocess
+
+    tree = tmp_path / "copy"
+    tree.mkdir()
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=train_bench.REPO, capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        dst = tree / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if (train_bench.REPO / rel).is_file():
+            dst.write_bytes((train_bench.REPO / rel).read_bytes())
+            dst.chmod((train_bench.REPO / rel).stat().st_mode)
+    for pkg in ("hymo_recipes", "kernels"):
+        with open(tree / pkg / "__init__.py", "a") as f:
+            f.write(f"\nprint('TREE-MARKER {pkg}', flush=True)\n")
+    logs = tmp_path / "logs"
+    rc = train_bench.main(["--dry", "--runs", "hymo_debug:2", "hymo_debug:2::copy", "--tree", f"copy={tree}",
+                           "--log-dir", str(logs)])
+    assert rc == 0, capsys.readouterr().out
+    copy_log = (logs / "hymo_debug_2_none_copy.log").read_text()
+    assert "TREE-MARKER hymo_recipes" in copy_log and "TREE-MARKER kernels" in copy_log
+    assert "TREE-MARKER" not in (logs / "hymo_debug_2_none.log").read_text()
 
 
 @pytest.mark.slow
