@@ -29,7 +29,9 @@ linked into it where it has none, the one write into DIR), so a code change is t
 code before it in one call: ``--runs hymo_750m:8:none hymo_750m:8:none:base --tree
 base=/tmp/base``. Every run's ``python3`` is the interpreter that runs this script.
 
-Per run, over the steps after ``--warmup`` (compile and allocator warm-up): median tokens/s,
+The output starts with the date, the GPU and driver, the versions of torch, Triton and
+TorchTitan, and the code each run executes (a fingerprint of its files, and its git commit where
+it has one). Per run, over the steps after ``--warmup`` (compile and allocator warm-up): median tokens/s,
 TFLOP/s and MFU as TorchTitan logs them, i.e. num_flops_per_token × tokens/s against the GPU's
 peak (989 TFLOP/s bf16 dense for an H100/H200; TorchTitan's get_peak_flops), with each model's
 own get_nparams_and_flops: TorchTitan's 6 × active non-embedding parameters + 6 × layers ×
@@ -309,6 +311,66 @@ def _tree_path(name: str, tree: Path, workdir: Path) -> list[str]:
     return [str(workdir / "trees" / name), str(tree)]
 
 
+# what decides a run's speed besides the machine: the code a fingerprint covers
+_CODE = ("run_train.sh", "hymo_recipes", "kernels", "train_configs", "benchmarks/peers.py", "scripts")
+
+
+def code_fingerprint(root: Path) -> str:
+    """A short hash of the code a run from ``root`` executes (the Python, shell and TOML files
+    under _CODE, by path and content), so a table names the code it timed even where a copy has
+    no git history; with git, also the commit and whether the files differ from it."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for top in _CODE:
+        base = root / top
+        files = [base] if base.is_file() else sorted(base.rglob("*")) if base.is_dir() else []
+        for f in files:
+            if f.is_file() and f.suffix in (".py", ".sh", ".toml") and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    out = f"fingerprint {h.hexdigest()[:10]}"
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10)
+        if rev.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve():
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", *_CODE],
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
+            out = f"git {rev.stdout.strip()}{' with uncommitted changes' if dirty else ''}, {out}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def environment() -> str:
+    """The date, the GPU (nvidia-smi's name and driver, where there is one) and the versions of
+    torch, Triton and TorchTitan, for the first line of the output."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    gpu = "no GPU"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            q = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+            first = q.stdout.strip().splitlines()[:1]
+            if q.returncode == 0 and first:
+                name, _, driver = first[0].partition(",")
+                gpu = f"{name.strip()} (driver {driver.strip()})"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    when = datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    return (f"{when}; {gpu}; torch {version('torch')}, triton {version('triton')}, "
+            f"torchtitan {version('torchtitan')}")
+
+
 def _failure_line(text: str) -> str:
     """The line that names a failed run's cause: HyMo's one-line config error, else the last exception."""
     lines = [re.sub(r"^(\[rank\d+\]:)+", "", _ANSI.sub("", line)).strip() for line in text.splitlines()]
@@ -470,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train_bench: {flag} {name} is not used by any run spec", flush=True)
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"train_bench: {environment()}", flush=True)
+    print(f"train_bench: code: this checkout ({code_fingerprint(REPO)})"
+          + "".join(f"; --tree {n} = {t} ({code_fingerprint(t)})" for n, t in args.trees.items()), flush=True)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="train_bench_") as tmp:
         for name, tree in args.trees.items():

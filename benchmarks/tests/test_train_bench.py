@@ -230,6 +230,43 @@ def test_trees_reach_their_runs_through_main(tmp_path, monkeypatch, capsys):
     assert "--tree old is not used by any run spec" in capsys.readouterr().out
 
 
+def test_the_code_fingerprint_names_what_a_run_executes(tmp_path):
+    """Copies with the same files share a fingerprint; an edit to a kernel, a config or the
+    launcher changes it, a file outside the run's code does not; a copy without git history
+    says nothing of a commit."""
+    def copy(root):
+        for rel, text in (("run_train.sh", "echo"), ("kernels/__init__.py", ""), ("kernels/gdn/a.py", "x = 1"),
+                          ("hymo_recipes/__init__.py", ""), ("train_configs/m.toml", "[a]"), ("README.md", "r")):
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        return root
+
+    a, b = copy(tmp_path / "a"), copy(tmp_path / "b")
+    fa = train_bench.code_fingerprint(a)
+    assert fa.startswith("fingerprint ") and fa == train_bench.code_fingerprint(b)
+    (b / "README.md").write_text("other")
+    assert train_bench.code_fingerprint(b) == fa
+    for rel in ("kernels/gdn/a.py", "train_configs/m.toml", "run_train.sh"):
+        c = copy(tmp_path / rel.replace("/", "_"))
+        (c / rel).write_text("changed")
+        assert train_bench.code_fingerprint(c) != fa, rel
+
+
+def test_the_output_starts_with_the_machine_and_the_code(tmp_path, monkeypatch, capsys):
+    tree = _tree(tmp_path / "old").resolve()
+
+    def fake_execute(run, args, workdir, log_dir):
+        run.steps = [dict(step=s, loss=1.0, mem=10.0, tps=1.0, tflops=1.0, mfu=1.0) for s in (1, 2, 3)]
+        return run
+
+    monkeypatch.setattr(train_bench, "execute", fake_execute)
+    train_bench.main(["--runs", "hymo_750m:8:none", "hymo_750m:8:none:old", "--steps", "3", "--warmup", "1",
+                      "--tree", f"old={tree}"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("train_bench: ") and "torch " in lines[0] and "torchtitan " in lines[0]
+    assert lines[1].startswith("train_bench: code: this checkout (") and f"--tree old = {tree} (fingerprint " in lines[1]
+
+
 def test_a_variant_given_twice_is_refused(capsys):
     with pytest.raises(SystemExit):
         train_bench.main(["--dry", "--runs", "hymo_debug:2:none:a", "--variant", "a=--x", "--variant", "a=--y"])
