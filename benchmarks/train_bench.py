@@ -262,11 +262,17 @@ def parse_spec(spec: str, dry: bool, variants: dict | None = None) -> tuple[str,
     return preset, batch, ac, variant
 
 
+def _named(text: str, form: str) -> tuple[str, str]:
+    """``NAME=REST`` -> (NAME, REST), NAME of letters, digits, _ . - and REST not empty."""
+    name, sep, rest = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r}: give {form} with NAME of letters, digits, _ . -")
+    return name, rest
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """``NAME=ARGS`` -> (NAME, ARGS split as a shell would)."""
-    name, sep, rest = text.partition("=")
-    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=\"ARGS\" with NAME of letters, digits, _ . -")
+    name, rest = _named(text, 'NAME="ARGS"')
     try:
         words = shlex.split(rest)
     except ValueError as e:
@@ -278,9 +284,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 def parse_tree(text: str) -> tuple[str, Path]:
     """``NAME=DIR`` -> (NAME, DIR) for a copy of the repository with its run_train.sh and kernels."""
-    name, sep, rest = text.partition("=")
-    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not rest:
-        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=DIR with NAME of letters, digits, _ . -")
+    name, rest = _named(text, "NAME=DIR")
     tree = Path(rest).expanduser().resolve()
     if tree == REPO:
         raise argparse.ArgumentTypeError(f"{text!r}: {tree} is this checkout: give a copy at another revision")
@@ -304,11 +308,6 @@ def link_tree(name: str, tree: Path, workdir: Path) -> None:
                 (tree / rel).symlink_to(REPO / rel)
     except OSError as e:
         raise SystemExit(f"train_bench: --tree {name}={tree}: {e}") from None
-
-
-def _tree_path(name: str, tree: Path, workdir: Path) -> list[str]:
-    """The path entries of a run from a --tree (link_tree made them): its kernels, then the tree."""
-    return [str(workdir / "trees" / name), str(tree)]
 
 
 # what decides a run's speed besides the machine: the code a fingerprint covers
@@ -403,7 +402,7 @@ def command(run: Run, args, workdir: Path) -> tuple[list[str], dict, Path]:
     # a tree's kernels and code (its benchmarks.peers too) ahead of everything on the path; the
     # run's python3 is this interpreter, whose environment has torch and the wheels (a tree has
     # no .venv of its own for its run_train.sh to find)
-    first = _tree_path(run.variant, run.tree, workdir) if run.tree else [str(REPO)]
+    first = [str(workdir / "trees" / run.variant), str(run.tree)] if run.tree else [str(REPO)]  # link_tree's
     env = dict(os.environ, NGPU="1", LOG_RANK="0", CONFIG_FILE=config,
                PATH=os.pathsep.join(filter(None, [str(Path(sys.executable).parent), os.environ.get("PATH")])),
                PYTHONPATH=os.pathsep.join(filter(None, [*first, os.environ.get("PYTHONPATH")])))
@@ -439,7 +438,7 @@ def execute(run: Run, args, workdir: Path, log_dir: Path | None) -> Run:
 
 
 def run_spec(spec: str, args, workdir: Path, log_dir: Path | None) -> list[Run]:
-    preset, batch, ac, variant = parse_spec(spec, args.dry, {**args.variants, **args.trees})
+    preset, batch, ac, variant = parse_spec(spec, args.dry, args.names)
     ac = ac or PRESETS[preset]["ac"]
     seq = 64 if args.dry else args.seq_len
     kw = dict(seq=seq, global_batch=args.global_batch, variant=variant, extra=list(args.variants.get(variant, [])),
@@ -524,9 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         if sum(n == name for _, n in named) > 1:
             ap.error(f"{flag} {name} is given twice")
     args.variants, args.trees = dict(args.variant), dict(args.tree)
-    names = {**args.variants, **args.trees}
+    args.names = {**args.variants, **args.trees}
     specs = args.runs or (DRY_RUNS if args.dry else DEFAULT_RUNS)
-    used = {parse_spec(s, args.dry, names)[3] for s in specs}  # every spec checked before the first run
+    used = {parse_spec(s, args.dry, args.names)[3] for s in specs}  # every spec checked before the first run
     for flag, name in named:
         if name not in used:
             print(f"train_bench: {flag} {name} is not used by any run spec", flush=True)
