@@ -16,7 +16,9 @@ interpreter, compiles each for ``sm_<arch>`` with the installed Triton and reads
 the cuobjdump it ships. Printed per kernel: warps, stages, registers per thread, the local
 memory ("stack") and the local loads and stores in the SASS (spills), load and store
 instructions, the programs of the kernel an SM holds by its registers (and its 64 warps and 32
-programs), and the compile time (0 when Triton's cache has the kernel).
+programs), the SASS's instruction mix (all instructions, tensor-core MMAs, barriers, shared-memory
+loads and stores, shuffles: what a latency-bound chain of small dots spends its steps on) and the
+compile time (0 when Triton's cache has the kernel).
 
 The compiler that matters is the GPU image's: run it in an environment with that Triton (a
 virtual environment with the same ``triton==`` pin and a CPU torch is enough). Times are not
@@ -135,7 +137,18 @@ def compile_one(launch: dict, arch: int, maxnreg: int = 0) -> dict:
                   if ":" in item and item.split(":")[1].isdigit())
     ops = re.findall(r"\b(STL|LDL|LDG|STG)[.\s]", sass)  # LDGSTS (async copies) and LDGDEPBAR not counted
     return dict(regs=int(fields["REG"]), stack=int(fields.get("STACK", 0)), spills=ops.count("STL") + ops.count("LDL"),
-                loads=ops.count("LDG"), stores=ops.count("STG"), seconds=seconds)
+                loads=ops.count("LDG"), stores=ops.count("STG"), seconds=seconds, **sass_mix(sass))
+
+
+def sass_mix(sass: str) -> dict:
+    """Static instruction counts of a kernel's SASS: all, tensor-core MMAs (HMMA), CTA barriers
+    (BAR), shared-memory loads and stores (LDS, STS, LDSM, STSM) and warp shuffles (SHFL). For a
+    latency-bound kernel (a chain of small dots) the barriers and shared-memory round trips of
+    its layout conversions are what a restructure has to cut; the counts are of the code, not of
+    its execution (a loop body counts once)."""
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)", sass)
+    return dict(sass=len(opcodes), hmma=opcodes.count("HMMA"), bar=opcodes.count("BAR"),
+                smem=sum(opcodes.count(o) for o in ("LDS", "STS", "LDSM", "STSM")), shfl=opcodes.count("SHFL"))
 
 
 def programs_per_sm(regs: int, warps: int) -> int:
@@ -189,11 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                      launch["options"].get("num_stages", 3), res, programs_per_sm(res["regs"], warps)))
         print(f"regs: {launch['name']}: {res['regs']} registers, {res['seconds']:.1f} s", flush=True)
     print("\n| kernel | tiles | warps | stages | registers | stack B | spill ld/st | LDG | STG | programs/SM "
-          "(registers) | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "(registers) | SASS | HMMA | BAR | smem ld/st | SHFL | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, tiles, warps, stages, r, progs in rows:
         print(f"| {name} | {tiles} | {warps} | {stages} | {r['regs']} | {r['stack']} | {r['spills']} | {r['loads']} | "
-              f"{r['stores']} | {progs} | {r['seconds']:.1f} |")
+              f"{r['stores']} | {progs} | {r['sass']} | {r['hmma']} | {r['bar']} | {r['smem']} | {r['shfl']} | "
+              f"{r['seconds']:.1f} |")
     return 0
 
 

@@ -22,7 +22,8 @@ def run_regs(*args: str) -> list[dict]:
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| _")]
-    return [dict(name=r[0].strip(), tiles=r[1], warps=int(r[2]), regs=int(r[4]), stack=int(r[5])) for r in rows]
+    return [dict(name=r[0].strip(), tiles=r[1], warps=int(r[2]), regs=int(r[4]), stack=int(r[5]), sass=int(r[10]),
+                 hmma=int(r[11]), bar=int(r[12]), smem=int(r[13]), shfl=int(r[14])) for r in rows]
 
 
 def test_every_mixer_kernel_is_compiled_and_read():
@@ -30,6 +31,28 @@ def test_every_mixer_kernel_is_compiled_and_read():
     assert {r["name"] for r in rows} == MIXER_KERNELS
     # the 750m's heads reach the chunk kernels' tile constants
     assert all("H=40" in r["tiles"] for r in rows if r["name"] in ("_fwd_out_kernel", "_bwd_local_kernel"))
+    # the instruction mix: the chunk kernels' dots are tensor-core MMAs fed through shared memory,
+    # the convs are elementwise row walks
+    by_name = {r["name"]: r for r in rows}
+    bwd, conv = by_name["_bwd_local_kernel"], by_name["_conv3_bwd_rows_kernel"]
+    assert bwd["hmma"] > 0 and bwd["bar"] > 0 and bwd["smem"] > 0 and bwd["sass"] > bwd["hmma"] + bwd["bar"]
+    assert conv["hmma"] == 0 and conv["sass"] > 0
+
+
+def test_sass_mix_counts_opcodes_predicated_or_not():
+    from benchmarks.gdn.regs import sass_mix
+
+    sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;  /* 0x0000000c0804723c */
+        /*0020*/               @P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;          /* 0x0000000000000b1d */
+        /*0030*/                   LDSM.16.M88.4 R16, [R2] ;              /* 0x000000000210783b */
+        /*0040*/              @!P1 STS [R3], R5 ;                         /* 0x0000000503009388 */
+        /*0050*/                   SHFL.BFLY PT, R6, R7, 0x1, 0x1f ;      /* 0x0c201f0007067f89 */
+        /*0060*/                   LDS.64 R8, [R3+0x10] ;                 /* 0x0000100003087984 */
+        /*0070*/                   HMMA.16816.F32.BF16 R4, R8, R14, R4 ;  /* 0x0000000e0804723c */
+    """
+    assert sass_mix(sass) == dict(sass=8, hmma=2, bar=1, smem=3, shfl=1)
 
 
 def test_a_register_cap_shows_and_spills():
