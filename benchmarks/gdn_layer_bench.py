@@ -16,8 +16,9 @@ The modules, on the same input x [B, T, dim] (bf16 on the GPU):
 - ``fla``: flash-linear-attention's ``fla.layers.GatedDeltaNet`` at the same shape (short conv,
   output gate, chunk mode; its own fused kernels; never compiled, as fla's layer is not
   compile-clean), when the package imports (GPU only);
-- ``gemms``: the mixer's seven projections alone (q, k, v, a, b, g in, o out) as plain
-  matmuls: the floor the fused layer should approach, with the GDN kernel's time on top.
+- ``gemms``: the mixer's GEMMs alone as the fused layer runs them (q, k, v in one projection;
+  a, b, g; o out) as plain matmuls: the floor the fused layer should approach,
+  with the GDN kernel's time on top.
 
 Per module: forward and forward+backward time (median over ``--iters`` after warm-up, CUDA events;
 host clock on the CPU), and the activations kept per token: the bytes of every distinct tensor
@@ -75,17 +76,18 @@ class SavedBytes:
 
 
 class Gemms(nn.Module):
-    """The GDN mixer's projections only: x -> q, k, v, a, b, g; o_proj on a [.., value_dim] input."""
+    """The GDN mixer's GEMMs only, as the fused layer runs them: x -> q, k, v in one projection,
+    a, b, g each in their own; o_proj on a [.., value_dim] input."""
 
     def __init__(self, dim: int, n_heads: int, K: int, V: int):
         super().__init__()
-        self.ins = nn.ModuleList(nn.Linear(dim, n, bias=False) for n in (n_heads * K, n_heads * K, n_heads * V,
-                                                                            n_heads, n_heads, n_heads * V))
+        self.ins = nn.ModuleList(nn.Linear(dim, n, bias=False) for n in (n_heads * (2 * K + V), n_heads, n_heads,
+                                                                            n_heads * V))
         self.o_proj = nn.Linear(n_heads * V, dim, bias=False)
 
     def forward(self, x):
-        outs = [lin(x) for lin in self.ins]
-        return self.o_proj(outs[2]) + sum(o.sum() for o in outs[:2] + outs[3:]) * 0
+        qkv, a, b, gate = (lin(x) for lin in self.ins)
+        return self.o_proj(gate) + (qkv.sum() + a.sum() + b.sum()) * 0
 
 
 @dataclasses.dataclass

@@ -56,6 +56,7 @@ def _cases(dev: str, dtype: torch.dtype):
     q, k, v = (rand(B, T, H, K) for _ in range(3))
     g = (-torch.rand(B, T, H, generator=gen)).to(dev)
     beta = torch.rand(B, T, H, generator=gen).to(dev, dtype)
+    qkv = rand(B, T, 3 * C)  # the mixer's q, k, v projection in one tensor
     o, gate, norm_w, out_w = rand(B, T, H, K), rand(B, T, H, K), rand(K), rand(64, C)
     cu = torch.tensor([0, 10, 30, 31, 64], dtype=torch.int32, device=dev)
     pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]).to(dev)
@@ -82,8 +83,8 @@ def _cases(dev: str, dtype: torch.dtype):
         "conv_qkv_fwd": lambda: conv_silu_qkv_fwd(x, x, x, w, w, w),
         "conv_qkv_bwd": lambda: conv_silu_qkv_bwd(x, x, x, w, w, w, dy, dy, dy),
         "chunk_fwd": lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True),
-        "mixer_fwd": lambda: conv_gated_delta_rule(x, x, x, w, w, w, g, beta, head_k=K, head_v=K),
-        "mixer_fwd_packed": lambda: conv_gated_delta_rule(x, x, x, w, w, w, g, beta, head_k=K, head_v=K,
+        "mixer_fwd": lambda: conv_gated_delta_rule(qkv, w, w, w, g, beta, head_k=K, head_v=K),
+        "mixer_fwd_packed": lambda: conv_gated_delta_rule(qkv, w, w, w, g, beta, head_k=K, head_v=K,
                                                           cu_seqlens=cu, positions=pos),
         "gated_norm_fwd": lambda: gated_norm_linear(o, gate, norm_w, out_w, 1e-6),
     })

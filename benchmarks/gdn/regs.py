@@ -97,14 +97,13 @@ def record(head_dim: int, heads: int) -> list[dict]:
     def mk(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).requires_grad_()
 
-    q_in, k_in, v_in = mk(1, T, H * D), mk(1, T, H * D), mk(1, T, H * D)
+    qkv = mk(1, T, 3 * H * D)  # the mixer's q, k, v projection in one tensor
     wq, wk, wv = mk(H * D, 4, scale=0.5), mk(H * D, 4, scale=0.5), mk(H * D, 4, scale=0.5)
     gdecay = (-torch.rand(1, T, H, generator=g) * 0.5).requires_grad_()
     beta = torch.rand(1, T, H, generator=g).to(torch.bfloat16).requires_grad_()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     pos = torch.cat([torch.arange(n) for n in lengths])
-    o = conv_gated_delta_rule(q_in, k_in, v_in, wq, wk, wv, gdecay, beta, head_k=D, head_v=D, cu_seqlens=cu,
-                              positions=pos)
+    o = conv_gated_delta_rule(qkv, wq, wk, wv, gdecay, beta, head_k=D, head_v=D, cu_seqlens=cu, positions=pos)
     gate, norm_w, out_w = mk(1, T, H * D), mk(D), mk(64, H * D, scale=0.05)
     out = gated_norm_linear(o, gate, norm_w, out_w, 1e-6)
     out.float().sum().backward()

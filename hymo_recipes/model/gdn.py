@@ -95,12 +95,14 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         if self.fused:
             beta, g = self._gates(x)
-            # the Triton backend: conv, SiLU, the q/k L2 norm and the recurrence in one op that
-            # keeps only the projections for its backward; gated norm and o_proj in another
+            # the Triton backend: q, k, v from one GEMM; conv, SiLU, the q/k L2 norm and the
+            # recurrence in one op that keeps only that projection for its backward and returns
+            # its gradient as one tensor; gated norm and o_proj in another
+            qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
             o = conv_gated_delta_rule(
-                self.q_proj(x), self.k_proj(x), self.v_proj(x), self.q_conv1d.weight[:, 0],
-                self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0], g, beta, head_k=self.head_dim,
-                head_v=self.v_head_dim, cu_seqlens=cu_seqlens, positions=positions, keep=self.keep, **self._rule_kwargs)
+                qkv, self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0], g, beta,
+                head_k=self.head_dim, head_v=self.v_head_dim, cu_seqlens=cu_seqlens, positions=positions,
+                keep=self.keep, **self._rule_kwargs)
             return gated_norm_linear(o, self.g_proj(x), self.o_norm.weight, self.o_proj.weight, self.o_norm.eps,
                                      keep=self.keep)
         q = F.silu(short_causal_conv(self.q_proj(x), self.q_conv1d.weight, positions))

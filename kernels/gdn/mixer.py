@@ -1,9 +1,11 @@
 """The GDN token mixer's non-GEMM work as two fused ops, for training on the GPU.
 
-``conv_gated_delta_rule``: short causal conv + SiLU on the q, k, v projections, then the chunked
-gated delta rule with q and k L2-normalised inside the kernels. It saves the projections (which
-the conv reads anyway), the decay g and β, and the kernel's own saved states; the conv outputs
-(the kernel's q, k, v) live only inside the forward and are recomputed in the backward.
+``conv_gated_delta_rule``: short causal conv + SiLU on the q, k, v projections (one tensor, side
+by side), then the chunked gated delta rule with q and k L2-normalised inside the kernels. It
+saves the projection (which the conv reads anyway), the decay g and β, and the kernel's own
+saved states; the conv outputs (the kernel's q, k, v) live only inside the forward and are
+recomputed in the backward, whose projection gradient is one tensor (so the projection's
+backward is one GEMM for the input and one for the weight).
 
 ``gated_norm_linear``: RMSNorm(o) ⊙ w ⊙ SiLU(gate), then the output projection. Of activations it
 saves o and gate alone (and the two weights), never the normalised product or 1/rms per row:
@@ -25,6 +27,7 @@ from . import chunk as _chunk
 from .problem import _common, _overridden, saved_states_dtype, saved_t_dtype
 
 from .gated_norm import gated_norm_bwd, gated_norm_fwd
+from .mixer_torch import split_qkv
 from .short_conv import conv_silu_qkv_bwd, conv_silu_qkv_fwd
 
 
@@ -45,14 +48,14 @@ def _convs(q_in, k_in, v_in, wq, wk, wv, positions, head_k: int, head_v: int):
 
 
 @torch.library.custom_op("hymo_kernels::conv_gdn_fwd", mutates_args=())
-def conv_gdn_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                 wv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                 positions: torch.Tensor | None, head_k: int, head_v: int, scale: float,
-                 dot_bf16: bool | None = None, t_bf16: bool | None = None, bwd_path: str | None = None,
-                 keep: bool = False
+def conv_gdn_fwd(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, head_k: int,
+                 head_v: int, scale: float, dot_bf16: bool | None = None, t_bf16: bool | None = None,
+                 bwd_path: str | None = None, keep: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (o [B, T, H, V], the kernel's saved states, its saved T, the conv outputs q, k, v);
     ``keep``: the backward reads the conv outputs instead of recomputing them."""
+    q_in, k_in, v_in = split_qkv(qkv, head_k, head_v)
     q, k, v = _convs(q_in, k_in, v_in, wq, wk, wv, positions, head_k, head_v)
     o, _, states, tinv = _chunk._forward(q, k, v, g, beta, None, cu_seqlens, scale, True, dot_bf16, t_bf16,
                                          bwd_path)
@@ -60,10 +63,11 @@ def conv_gdn_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq:
 
 
 @conv_gdn_fwd.register_fake
-def _(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, head_k, head_v, scale, dot_bf16=None,
-      t_bf16=None, bwd_path=None, keep=False):
-    B, T, _ = q_in.shape
-    q, v = q_in.new_empty(B, T, q_in.shape[-1] // head_k, head_k), v_in.new_empty(B, T, v_in.shape[-1] // head_v, head_v)
+def _(qkv, wq, wk, wv, g, beta, cu_seqlens, positions, head_k, head_v, scale, dot_bf16=None, t_bf16=None,
+      bwd_path=None, keep=False):
+    q_in, _, v_in = split_qkv(qkv, head_k, head_v)
+    B, T, _ = qkv.shape
+    q, v = qkv.new_empty(B, T, q_in.shape[-1] // head_k, head_k), qkv.new_empty(B, T, v_in.shape[-1] // head_v, head_v)
     B, T, H, K, V, N, cfg, NC = _common(q, v, cu_seqlens)
     cfg = _overridden(cfg, dot_bf16, t_bf16, bwd_path)
     return (v.new_empty(B, T, H, V),
@@ -73,59 +77,64 @@ def _(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, head_k, head
 
 
 @torch.library.custom_op("hymo_kernels::conv_gdn_bwd", mutates_args=())
-def conv_gdn_bwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                 wv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                 positions: torch.Tensor | None, states: torch.Tensor, tinv: torch.Tensor, do: torch.Tensor,
-                 head_k: int, head_v: int, scale: float, dot_bf16: bool | None = None, t_bf16: bool | None = None,
-                 bwd_path: str | None = None, q: torch.Tensor | None = None, k: torch.Tensor | None = None,
-                 v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq_in, dk_in, dv_in, dwq, dwk, dwv, dg, dbeta); q, k, v: the forward's conv
-    outputs if it kept them, else recomputed."""
+def conv_gdn_bwd(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None,
+                 states: torch.Tensor, tinv: torch.Tensor, do: torch.Tensor, head_k: int, head_v: int, scale: float,
+                 dot_bf16: bool | None = None, t_bf16: bool | None = None, bwd_path: str | None = None,
+                 q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dqkv, dwq, dwk, dwv, dg, dbeta): the projection's gradient in one buffer (the
+    conv's input gradients written into its column slices); q, k, v: the forward's conv outputs
+    if it kept them, else recomputed."""
+    q_in, k_in, v_in = split_qkv(qkv, head_k, head_v)
     if q is None:
         q, k, v = _convs(q_in, k_in, v_in, wq, wk, wv, positions, head_k, head_v)
-    dq, dk, dv, dg, db, _ = _chunk._backward(q, k, v, g, beta, None, cu_seqlens, states, tinv, do.contiguous(), None,
-                                             scale, True, dot_bf16, t_bf16, bwd_path)
+    dq, dk, dv, dg, dbeta, _ = _chunk._backward(q, k, v, g, beta, None, cu_seqlens, states, tinv, do.contiguous(),
+                                                None, scale, True, dot_bf16, t_bf16, bwd_path)
     del q, k, v
-    B, T = q_in.shape[:2]
-    return (*conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq.view(B, T, -1), dk.view(B, T, -1), dv.view(B, T, -1),
-                               positions), dg, db)
+    B, T = qkv.shape[:2]
+    dqkv = torch.empty_like(qkv)
+    dwq, dwk, dwv = conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq.view(B, T, -1), dk.view(B, T, -1),
+                                      dv.view(B, T, -1), positions, out=split_qkv(dqkv, head_k, head_v))[3:]
+    return dqkv, dwq, dwk, dwv, dg, dbeta
 
 
 @conv_gdn_bwd.register_fake
-def _(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, do, head_k, head_v, scale,
+def _(qkv, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, do, head_k, head_v, scale,
       dot_bf16=None, t_bf16=None, bwd_path=None, q=None, k=None, v=None):
-    return (torch.empty_like(q_in), torch.empty_like(k_in), torch.empty_like(v_in), torch.empty_like(wq),
-            torch.empty_like(wk), torch.empty_like(wv), torch.empty_like(g), torch.empty_like(beta))
+    return (torch.empty_like(qkv), torch.empty_like(wq), torch.empty_like(wk), torch.empty_like(wv),
+            torch.empty_like(g), torch.empty_like(beta))
 
 
 def _conv_gdn_setup(ctx, inputs, output):
-    (q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, head_k, head_v, scale, dot_bf16, t_bf16,
-     bwd_path, keep) = inputs
+    (qkv, wq, wk, wv, g, beta, cu_seqlens, positions, head_k, head_v, scale, dot_bf16, t_bf16, bwd_path,
+     keep) = inputs
     kept = output[3:6] if keep else (None, None, None)
-    ctx.save_for_backward(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, output[1], output[2], *kept)
+    ctx.save_for_backward(qkv, wq, wk, wv, g, beta, cu_seqlens, positions, output[1], output[2], *kept)
     ctx.args = (head_k, head_v, scale, dot_bf16, t_bf16, bwd_path)
     ctx.set_materialize_grads(False)
 
 
 def _conv_gdn_backward(ctx, do, _dstates, _dtinv, _dq, _dk, _dv):
-    q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, q, k, v = ctx.saved_tensors
+    qkv, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, q, k, v = ctx.saved_tensors
     head_k, head_v, scale, dot_bf16, t_bf16, bwd_path = ctx.args
-    grads = conv_gdn_bwd(q_in, k_in, v_in, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, do, head_k,
-                         head_v, scale, dot_bf16, t_bf16, bwd_path, q, k, v)
+    grads = conv_gdn_bwd(qkv, wq, wk, wv, g, beta, cu_seqlens, positions, states, tinv, do, head_k, head_v,
+                         scale, dot_bf16, t_bf16, bwd_path, q, k, v)
     return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 conv_gdn_fwd.register_autograd(_conv_gdn_backward, setup_context=_conv_gdn_setup)
 
 
-def conv_gated_delta_rule(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k: int, head_v: int,
-                          scale: float | None = None, cu_seqlens=None, positions=None, dot_bf16=None, t_bf16=None,
-                          bwd_path=None, keep: bool = False) -> torch.Tensor:
+def conv_gated_delta_rule(qkv, wq, wk, wv, g, beta, *, head_k: int, head_v: int, scale: float | None = None,
+                          cu_seqlens=None, positions=None, dot_bf16=None, t_bf16=None, bwd_path=None,
+                          keep: bool = False) -> torch.Tensor:
     """silu(conv(q_in)), ... -> gated delta rule (q, k L2-normalised in the kernels) -> o [B, T, H, V].
 
     Args:
-        q_in, k_in, v_in: [B, T, H·K], [B, T, H·K], [B, T, H·V] projection outputs (last dim contiguous).
+        qkv: [B, T, H·(2K + V)] the q, k, v projections side by side (mixer_torch.split_qkv; last
+            dim contiguous). Its gradient comes back as one tensor, so the projection's backward
+            is one GEMM for the input and one for the weight.
         wq, wk, wv: [H·K, W] / [H·V, W] depthwise conv weights (weight[..., W-1] multiplies the current token).
         g, beta: [B, T, H] log decay (fp32) and write strength.
         head_k, head_v: K and V.
@@ -141,8 +150,8 @@ def conv_gated_delta_rule(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k: int,
     scale = head_k ** -0.5 if scale is None else float(scale)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
-    return conv_gdn_fwd(q_in, k_in, v_in, wq, wk, wv, g.contiguous(), beta.contiguous(), cu_seqlens, positions,
-                        head_k, head_v, scale, dot_bf16, t_bf16, bwd_path, keep)[0]
+    return conv_gdn_fwd(qkv, wq, wk, wv, g.contiguous(), beta.contiguous(), cu_seqlens, positions, head_k, head_v,
+                        scale, dot_bf16, t_bf16, bwd_path, keep)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,3 +43,13 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def split_qkv(qkv: torch.Tensor, head_k: int, head_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GDN mixer's q, k, v projection in one tensor qkv [..., H·(2K + V)] as views (q_in, k_in,
+    v_in): [..., H·K], [..., H·K], [..., H·V], in that order."""
+    H, rest = divmod(qkv.shape[-1], 2 * head_k + head_v)
+    if rest or H == 0:
+        raise ValueError(f"GDN q/k/v projection: width {qkv.shape[-1]} is not H·(2K + V) for K = {head_k}, "
+                         f"V = {head_v}")
+    return qkv.split([H * head_k, H * head_k, H * head_v], dim=-1)

@@ -499,18 +499,27 @@ def conv_silu_qkv_fwd(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor
     return ys
 
 
-def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None):
+def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None, out=None):
     """conv_silu_bwd of the three projections in one launch and one dw sum (W ≤ 4; for a wider
     conv, one call each): (dq_in, dk_in, dv_in, dwq, dwk, dwv). dx is bitwise what three
-    conv_silu_bwd calls give; dw equal up to the order of the fp32 sum over the partials."""
+    conv_silu_bwd calls give; dw equal up to the order of the fp32 sum over the partials.
+    ``out``: three [B, T, C] tensors with a contiguous last dim (e.g. views into one buffer) that
+    receive dq_in, dk_in, dv_in and are returned as them."""
     xs, ws, dys = (q_in, k_in, v_in), (wq, wk, wv), (dq, dk, dv)
+    if out is not None:
+        for o, x in zip(out, xs):
+            if o.shape != x.shape or o.dtype != x.dtype or o.stride(-1) != 1:
+                raise ValueError(f"conv_silu_qkv_bwd: out must be like the inputs with a contiguous last dim, "
+                                 f"got {tuple(o.shape)} {o.dtype} strides {o.stride()}")
     if not _one_launch(xs, ws, positions):
         grads = [conv_silu_bwd(x, w, dy, positions) for x, w, dy in zip(xs, ws, dys)]
-        return (*(g[0] for g in grads), *(g[1] for g in grads))
+        dxs = tuple(g[0] for g in grads) if out is None else tuple(o.copy_(g[0]) for o, g in zip(out, grads))
+        return (*dxs, *(g[1] for g in grads))
     W = wq.shape[1]
     B, T, _ = q_in.shape
     dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
-    dxs = tuple(torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
+    dxs = tuple(out) if out is not None else tuple(
+        torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
     L, BC, warps, ahead = _row_tile(BWD_ROWS)
     NT = triton.cdiv(T, L)
     Cs = [x.shape[2] for x in xs]

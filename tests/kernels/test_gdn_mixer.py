@@ -76,6 +76,17 @@ def test_short_conv_qkv_in_one_launch(B, T, Cs, W, lengths, nan_poison):
         ref = F.silu(short_causal_conv(xr, wr[:, None, :], pos))
         ref.backward(dy.double())
         assert rel(ys[i], ref) < 1e-6 and rel(grads[i], xr.grad) < 1e-6 and rel(grads[3 + i], wr.grad) < 1e-6
+    # out=: the input gradients written into column slices of one buffer, the same values; the
+    # columns between and after them left as they were
+    buf = torch.full((B, T, sum(Cs) + 8), float("nan"), device=DEV)
+    outs = buf[..., 2:2 + sum(Cs)].split(list(Cs), dim=-1)
+    got = conv_silu_qkv_bwd(*xs, *ws, *dys, pos, out=outs)
+    for i in range(3):
+        assert got[i] is outs[i] and torch.equal(outs[i], grads[i])
+        assert torch.equal(got[3 + i], grads[3 + i])
+    assert buf[..., :2].isnan().all() and buf[..., 2 + sum(Cs):].isnan().all()
+    with pytest.raises(ValueError, match="out must be like the inputs"):
+        conv_silu_qkv_bwd(*xs, *ws, *dys, pos, out=(outs[0].double(), outs[1], outs[2]))
 
 
 @pytest.mark.parametrize("ahead", [1, 2, 3, 4])
@@ -132,13 +143,15 @@ def test_gated_norm(shape, nan_poison):
 
 
 def mixer_inputs(B, T, H, K, V, D, dtype=torch.float64, device=DEV, seed=2):
+    """The fused mixer's inputs: the q, k, v projection (one tensor), the conv weights, the gates,
+    the output gate and the two weights after the recurrence."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def mk(*s, scale=1.0):
         return (torch.randn(*s, generator=g, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
 
-    return dict(q_in=mk(B, T, H * K), k_in=mk(B, T, H * K), v_in=mk(B, T, H * V), wq=mk(H * K, 4, scale=0.5),
-                wk=mk(H * K, 4, scale=0.5), wv=mk(H * V, 4, scale=0.5),
+    return dict(qkv=mk(B, T, H * (2 * K + V)), wq=mk(H * K, 4, scale=0.5), wk=mk(H * K, 4, scale=0.5),
+                wv=mk(H * V, 4, scale=0.5),
                 g=(-torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.5).to(device=device, dtype=torch.float32
                                                                                   if dtype != torch.float64 else dtype),
                 beta=torch.rand(B, T, H, generator=g, dtype=torch.float64).to(device=device, dtype=dtype),
@@ -146,20 +159,22 @@ def mixer_inputs(B, T, H, K, V, D, dtype=torch.float64, device=DEV, seed=2):
 
 
 def mixer_reference(a, H, K, V, positions=None, cu_seqlens=None):
-    """The unfused mixer in float64: conv, SiLU, L2 norm, the naive recurrence, gated norm, o_proj."""
-    B, T = a["q_in"].shape[:2]
-    q = l2_normalize(F.silu(short_causal_conv(a["q_in"], a["wq"][:, None], positions)).view(B, T, H, K))
-    k = l2_normalize(F.silu(short_causal_conv(a["k_in"], a["wk"][:, None], positions)).view(B, T, H, K))
-    v = F.silu(short_causal_conv(a["v_in"], a["wv"][:, None], positions)).view(B, T, H, V)
+    """The unfused mixer in float64: conv, SiLU, L2 norm, the naive recurrence, gated norm, o_proj
+    (the projection split by widths written out here, not by the code under test)."""
+    B, T = a["qkv"].shape[:2]
+    q_in, k_in, v_in = a["qkv"].split([H * K, H * K, H * V], dim=-1)
+    q = l2_normalize(F.silu(short_causal_conv(q_in, a["wq"][:, None], positions)).view(B, T, H, K))
+    k = l2_normalize(F.silu(short_causal_conv(k_in, a["wk"][:, None], positions)).view(B, T, H, K))
+    v = F.silu(short_causal_conv(v_in, a["wv"][:, None], positions)).view(B, T, H, V)
     o, _ = naive_recurrent_gated_delta_rule(q, k, v, a["g"], a["beta"], cu_seqlens=cu_seqlens)
     y = gated_rms_norm(o, a["gate"].view(B, T, H, V), a["nw"], 1e-6)
     return F.linear(y.reshape(B, T, -1), a["ow"])
 
 
-def mixer_fused(a, H, K, V, positions=None, cu_seqlens=None):
-    o = conv_gated_delta_rule(a["q_in"], a["k_in"], a["v_in"], a["wq"], a["wk"], a["wv"], a["g"], a["beta"],
-                              head_k=K, head_v=V, positions=positions, cu_seqlens=cu_seqlens)
-    return gated_norm_linear(o, a["gate"], a["nw"], a["ow"], 1e-6)
+def mixer_fused(a, H, K, V, positions=None, cu_seqlens=None, bwd_path=None, keep=False):
+    o = conv_gated_delta_rule(a["qkv"], a["wq"], a["wk"], a["wv"], a["g"], a["beta"], head_k=K, head_v=V,
+                              positions=positions, cu_seqlens=cu_seqlens, bwd_path=bwd_path, keep=keep)
+    return gated_norm_linear(o, a["gate"], a["nw"], a["ow"], 1e-6, keep=keep)
 
 
 def check_mixer(B, T, H, K, V, D, dtype, tol, lengths=None, bwd_path=None, fn=mixer_fused):
@@ -197,9 +212,7 @@ def test_fused_mixer_keeping_its_outputs_changes_nothing(lengths, nan_poison):
     results = []
     for keep in (False, True):
         a = {n: t.float().requires_grad_() for n, t in mixer_inputs(B, T, H, K, V, D).items()}
-        o = conv_gated_delta_rule(a["q_in"], a["k_in"], a["v_in"], a["wq"], a["wk"], a["wv"], a["g"], a["beta"],
-                                  head_k=K, head_v=V, positions=pos, cu_seqlens=cu, keep=keep)
-        out = gated_norm_linear(o, a["gate"], a["nw"], a["ow"], 1e-6, keep=keep)
+        out = mixer_fused(a, H, K, V, pos, cu, keep=keep)
         out.backward(torch.ones_like(out))
         results.append((out.detach(), {n: t.grad for n, t in a.items()}))
     (out0, g0), (out1, g1) = results
@@ -226,12 +239,6 @@ def test_gated_norm_linear_keeps_only_its_inputs(keep):
     assert o.grad is not None and a["nw"].grad is not None
 
 
-def mixer_fused_path(a, H, K, V, positions, cu_seqlens, bwd_path):
-    o = conv_gated_delta_rule(a["q_in"], a["k_in"], a["v_in"], a["wq"], a["wk"], a["wv"], a["g"], a["beta"],
-                              head_k=K, head_v=V, positions=positions, cu_seqlens=cu_seqlens, bwd_path=bwd_path)
-    return gated_norm_linear(o, a["gate"], a["nw"], a["ow"], 1e-6)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("bwd_path", ["local", "local_sub"])
 @pytest.mark.parametrize("B, T, lengths", [(2, 1000, None), (1, 2048, [700, 1, 300, 1047])],
@@ -242,7 +249,7 @@ def test_gpu_fused_mixer_bf16(B, T, lengths, bwd_path):
     removes their component along q and k and so amplifies the kernel's relative error (about
     2e-2 on an H200, against about 8e-3 for v's)."""
     check_mixer(B, T, H=8, K=32, V=32, D=256, dtype=torch.bfloat16, tol=3e-2, lengths=lengths,
-                fn=lambda a, H, K, V, p, c: mixer_fused_path(a, H, K, V, p, c, bwd_path))
+                fn=lambda a, H, K, V, p, c: mixer_fused(a, H, K, V, p, c, bwd_path))
 
 
 @pytest.mark.gpu
@@ -254,9 +261,7 @@ def test_gpu_fused_mixer_compiles_fullgraph(keep):
     comp_in = {n: t.clone().requires_grad_() for n, t in a.items()}
 
     def mixer(x):
-        o = conv_gated_delta_rule(x["q_in"], x["k_in"], x["v_in"], x["wq"], x["wk"], x["wv"], x["g"], x["beta"],
-                                  head_k=32, head_v=32, keep=keep)
-        return gated_norm_linear(o, x["gate"], x["nw"], x["ow"], 1e-6, keep=keep)
+        return mixer_fused(x, 4, 32, 32, keep=keep)
 
     eager = mixer(eager_in)
     compiled = torch.compile(mixer, fullgraph=True)(comp_in)
@@ -297,3 +302,4 @@ def test_layer_fused_path_matches_unfused(lengths):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+

@@ -89,9 +89,9 @@ def test_gdn_kernel_knobs_reach_the_kernel_call(tiny_args, monkeypatch, knob, va
         seen.append(kw)
         return naive_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=kw.get("cu_seqlens"))
 
-    def fused_spy(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k, head_v, positions, **kw):
+    def fused_spy(qkv, wq, wk, wv, g, beta, *, head_k, head_v, positions, **kw):
         seen.append(kw)
-        return torch.zeros(*q_in.shape[:2], q_in.shape[-1] // head_k, head_v)
+        return torch.zeros(*qkv.shape[:2], wq.shape[0] // head_k, head_v)
 
     if fused:
         monkeypatch.setattr(gdn_module, "conv_gated_delta_rule", fused_spy)
@@ -122,9 +122,9 @@ def test_gdn_mixer_saves_reaches_the_fused_ops(tiny_args, monkeypatch, saves, ke
     layer.init_weights(0.02, 0.01)
     seen = []
 
-    def conv_spy(q_in, k_in, v_in, wq, wk, wv, g, beta, *, head_k, head_v, positions, keep, **kw):
+    def conv_spy(qkv, wq, wk, wv, g, beta, *, head_k, head_v, positions, keep, **kw):
         seen.append(("conv", keep))
-        return torch.zeros(*q_in.shape[:2], q_in.shape[-1] // head_k, head_v)
+        return torch.zeros(*qkv.shape[:2], wq.shape[0] // head_k, head_v)
 
     def norm_spy(o, gate, norm_w, out_w, eps, keep):
         seen.append(("norm", keep))
