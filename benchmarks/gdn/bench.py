@@ -221,18 +221,27 @@ VARIANTS = {
     "fwd_nreg168": dict(maxnreg=168, capped=("fwd_prep", "fwd_out")),
     # _bwd_local without the one-step-ahead load of T (Config.prefetch_t)
     "no_prefetch_t": dict(prefetch_t=False),
+    # sub-chunks of 32 tokens at 2 warps (Triton then splits the 32-row tiles' rows between the
+    # warps, where 16-row tiles split their columns and cross between the warps through shared
+    # memory), _bwd_local at 2 or 4 warps
+    "bc32": dict(BC=32, launches=dict(wy_inverse=(2, 1), fwd_prep=(2, 3, 64), fwd_out=(2, 3, 32),
+                                      bwd_prep=(2, 3, 64), bwd_local=(2, 3, 32))),
+    "bc32_bwd4": dict(BC=32, launches=dict(wy_inverse=(2, 1), fwd_prep=(2, 3, 64), fwd_out=(2, 3, 32),
+                                           bwd_prep=(2, 3, 64), bwd_local=(4, 3, 32))),
 }
 
 
 def variant_config(cfg, name):
     """The config of a --variants entry on top of `cfg` (``maxnreg`` applies to the kernels
-    named in ``capped``, by default every kernel the config launches)."""
+    named in ``capped``, by default every kernel the config launches; ``launches`` replaces
+    kernels' launches, as TABLE entries write them)."""
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}: pick from {tuple(VARIANTS)}")
     fields = dict(VARIANTS[name])
     nreg = fields.pop("maxnreg", None)
     capped = fields.pop("capped", None) or cfg.kernels()
-    cfg = dataclasses.replace(cfg, **fields)
+    launches = {k: KernelCfg(*v) for k, v in fields.pop("launches", {}).items()}
+    cfg = dataclasses.replace(cfg, **fields, **launches)
     if nreg is not None:
         cfg = dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), maxnreg=nreg) for k in capped})
     return cfg

@@ -58,6 +58,15 @@ def test_register_cap_variants_and_table_entry():
         bench.variant_config(cfg, "split")
 
 
+def test_launch_variants_replace_the_named_kernels_only():
+    """A variant's ``launches`` replace those kernels' launches and keep the rest of the table's
+    config (precisions, tiles, the other kernels)."""
+    cfg = gdn_config.config_from_entry(32, 32, 256, gdn_config.TABLE[(32, 32)])
+    v = bench.variant_config(cfg, "bc32_bwd4")
+    assert (v.BC, v.fwd_prep, v.bwd_local, v.wy_inverse) == (32, KernelCfg(2, 3, 64), KernelCfg(4, 3, 32), KernelCfg(2, 1))
+    assert (v.state_pass, v.BT, v.dot_bf16, v.inverse_prec) == (cfg.state_pass, cfg.BT, cfg.dot_bf16, cfg.inverse_prec)
+
+
 def test_tune_variants_full_grid():
     """--tune tries the stage counts at the best 1-stage launch only; --full-grid times every
     warps × tile × stages launch (no stages for the loop-free inverse)."""

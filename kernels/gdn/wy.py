@@ -3,8 +3,6 @@ the forward's γβ pack (DESIGN.md, Forward)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -15,28 +13,45 @@ from .problem import Problem, _geom, _kw, saved_t_dtype
 
 
 @triton.jit
-def _unit_lower_inverse(A, BC: tl.constexpr, LOG2_BC: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)⁻¹ for strictly lower triangular A: A^BC = 0, so the inverse is the product
-    (I − A)(I + A²)(I + A⁴)…(I + A^(BC/2)), log2(BC) − 1 squarings and as many products.
-    PREC must not be "tf32": the products sum Neumann terms A^j whose entries reach
-    C(BC−2, j−1) (3,432 for BC = 16) when a sub-chunk's keys are nearly parallel and β, Γ ≈ 1,
-    and they cancel to an O(1) inverse. tf32's 10-bit mantissa leaves O(1) errors in T; the
-    chunk map then stops being a contraction and the state grows until it overflows. "ieee" is
-    safe; "tf32x3" (~2⁻²¹, the tuned entries' choice) measured the same error as "ieee" in the
-    benchmark's collapsed-keys check on an H200."""
+def _neumann_inverse(A, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)⁻¹ for A with A¹⁶ = 0 (strictly lower triangular 16 × 16 blocks on the diagonal):
+    the product (I − A)(I + A²)(I + A⁴)(I + A⁸), three squarings and three products."""
     o_r = tl.arange(0, BC)
     Tm = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - A
     P = A
-    for _ in tl.static_range(LOG2_BC - 1):
+    for _ in tl.static_range(3):
         P = _dot(P, P, PREC)
         Tm = Tm + _dot(Tm, P, PREC)
     return Tm
 
 
 @triton.jit
+def _unit_lower_inverse(A, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)⁻¹ for strictly lower triangular A, BC = 16 or 32. PREC must not be "tf32": within
+    a 16-token block the Neumann terms A^j reach C(14, j−1) (3,432) when the keys are nearly
+    parallel and β, Γ ≈ 1, and they cancel to an O(1) inverse; tf32's 10-bit mantissa leaves O(1)
+    errors in T, the chunk map then stops being a contraction and the state grows until it
+    overflows. "ieee" is safe; "tf32x3" (~2⁻²¹, the tuned entries' choice) measured the same
+    error as "ieee" in the benchmark's collapsed-keys check on an H200.
+
+    BC = 32 never runs the Neumann product over all 32 rows (its terms would reach C(30, 15),
+    ~1.6e8, beyond even fp32): the two diagonal 16-blocks D are inverted as above (Td), and with
+    O = A − D (the block below them), (I + D + O)⁻¹ = (I + Td O)⁻¹ Td = Td − Td O Td, since
+    (Td O)² = 0."""
+    if BC == 16:
+        Tm = _neumann_inverse(A, BC, PREC)
+    else:
+        o_r = tl.arange(0, BC)
+        diag = (o_r[:, None] // 16) == (o_r[None, :] // 16)
+        Td = _neumann_inverse(tl.where(diag, A, 0.0), BC, PREC)
+        Tm = Td - _dot(Td, _dot(tl.where(diag, 0.0, A), Td, PREC), PREC)
+    return Tm
+
+
+@triton.jit
 def _wy_inverse_kernel(
     k, g, beta, tinv, gbp, chunk_spans, T,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_QK: tl.constexpr, PREC: tl.constexpr, TPREC: tl.constexpr,
     INV_PREC: tl.constexpr,
 ):
@@ -59,7 +74,7 @@ def _wy_inverse_kernel(
     gam, _, bb = _load_gam_beta(g, beta, rows, m_r, i_h, H)
     _store_gam_beta(_gb_slot(gbp, i_c, i_h, i_s, H, BT, BC), gam, bb, BC)
     _, _, A = _gram(kb, gam, bb, BC, TPREC)
-    Tm = _unit_lower_inverse(A, BC, LOG2_BC, INV_PREC)
+    Tm = _unit_lower_inverse(A, BC, INV_PREC)
     p = (rows.to(tl.int64) * H + i_h)[:, None] * BC + o_r[None, :]
     tl.store(tinv + p, Tm.to(tinv.dtype.element_ty), mask=m_r[:, None])
 
@@ -70,6 +85,6 @@ def run_wy_inverse(p: Problem) -> torch.Tensor:
     c = p.cfg
     tinv = torch.empty(p.B, p.T, p.H, c.BC, dtype=saved_t_dtype(c, p.q.dtype), device=p.q.device)
     _wy_inverse_kernel[(p.NC, p.H, c.BT // c.BC)](
-        p.k, p.g, p.beta, tinv, p.gbp, p.spans, p.T, LOG2_BC=int(math.log2(c.BC)), INV_PREC=c.inverse_prec,
+        p.k, p.g, p.beta, tinv, p.gbp, p.spans, p.T, INV_PREC=c.inverse_prec,
         **_geom(p), **_kw(c.wy_inverse))
     return tinv

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hymo_kernels.gdn.mixer import conv_gated_delta_rule, gated_norm_linear
-from hymo_kernels.gdn.mixer_torch import gated_rms_norm, l2_normalize, short_causal_conv
+from hymo_kernels.gdn.mixer_torch import gated_rms_norm, l2_normalize, short_causal_conv, split_qkv
 from hymo_kernels.gdn.naive import naive_recurrent_gated_delta_rule
 from hymo_kernels.gdn.short_conv import conv_silu_bwd, conv_silu_fwd, conv_silu_qkv_bwd, conv_silu_qkv_fwd
 from hymo_kernels.gdn.gated_norm import gated_norm_bwd, gated_norm_fwd
@@ -303,3 +303,14 @@ def test_layer_fused_path_matches_unfused(lengths):
     for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
+
+def test_split_qkv_views_and_bad_width():
+    H, K, V = 3, 4, 8
+    qkv = torch.arange(2 * H * (2 * K + V), dtype=torch.float32).view(1, 2, -1)
+    q, k, v = split_qkv(qkv, K, V)
+    assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (H * K, H * K, H * V)
+    assert q.data_ptr() == qkv.data_ptr() and k[0, 0, 0] == H * K and v[0, 1, -1] == qkv[0, 1, -1]
+    with pytest.raises(ValueError, match="not H·"):
+        split_qkv(qkv[..., :-1], K, V)
+    with pytest.raises(ValueError, match="not H·"):
+        split_qkv(qkv[..., :0], K, V)
