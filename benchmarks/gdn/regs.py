@@ -140,13 +140,13 @@ def compile_one(launch: dict, arch: int, maxnreg: int = 0) -> dict:
 
 
 def sass_mix(sass: str) -> dict:
-    """Static instruction counts of a kernel's SASS: all, tensor-core MMAs (HMMA), CTA barriers
-    (BAR), shared-memory loads and stores (LDS, STS, LDSM, STSM) and warp shuffles (SHFL). For a
-    latency-bound kernel (a chain of small dots) the barriers and shared-memory round trips of
-    its layout conversions are what a restructure has to cut; the counts are of the code, not of
-    its execution (a loop body counts once)."""
+    """Static instruction counts of a kernel's SASS: all, tensor-core MMAs (HMMA, and Hopper's
+    warpgroup HGMMA), CTA barriers (BAR), shared-memory loads and stores (LDS, STS, LDSM, STSM)
+    and warp shuffles (SHFL). For a latency-bound kernel (a chain of small dots) the barriers and
+    shared-memory round trips of its layout conversions are what a restructure has to cut; the
+    counts are of the code, not of its execution (a loop body counts once)."""
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)", sass)
-    return dict(sass=len(opcodes), hmma=opcodes.count("HMMA"), bar=opcodes.count("BAR"),
+    return dict(sass=len(opcodes), mma=opcodes.count("HMMA") + opcodes.count("HGMMA"), bar=opcodes.count("BAR"),
                 smem=sum(opcodes.count(o) for o in ("LDS", "STS", "LDSM", "STSM")), shfl=opcodes.count("SHFL"))
 
 
@@ -201,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                      launch["options"].get("num_stages", 3), res, programs_per_sm(res["regs"], warps)))
         print(f"regs: {launch['name']}: {res['regs']} registers, {res['seconds']:.1f} s", flush=True)
     print("\n| kernel | tiles | warps | stages | registers | stack B | spill ld/st | LDG | STG | programs/SM "
-          "(registers) | SASS | HMMA | BAR | smem ld/st | SHFL | compile s |")
+          "(registers) | SASS | MMA | BAR | smem ld/st | SHFL | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, tiles, warps, stages, r, progs in rows:
         print(f"| {name} | {tiles} | {warps} | {stages} | {r['regs']} | {r['stack']} | {r['spills']} | {r['loads']} | "
-              f"{r['stores']} | {progs} | {r['sass']} | {r['hmma']} | {r['bar']} | {r['smem']} | {r['shfl']} | "
+              f"{r['stores']} | {progs} | {r['sass']} | {r['mma']} | {r['bar']} | {r['smem']} | {r['shfl']} | "
               f"{r['seconds']:.1f} |")
     return 0
 

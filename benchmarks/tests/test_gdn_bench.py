@@ -63,7 +63,8 @@ def test_launch_variants_replace_the_named_kernels_only():
     config (precisions, tiles, the other kernels)."""
     cfg = gdn_config.config_from_entry(32, 32, 256, gdn_config.TABLE[(32, 32)])
     v = bench.variant_config(cfg, "bc32_bwd4")
-    assert (v.BC, v.fwd_prep, v.bwd_local, v.wy_inverse) == (32, KernelCfg(2, 3, 64), KernelCfg(4, 3, 32), KernelCfg(2, 1))
+    assert (v.BC, v.fwd_prep, v.bwd_local, v.wy_inverse) == (32, KernelCfg(2, 3, 64), KernelCfg(4, 3, 32),
+                                                            KernelCfg(2, 1))
     assert (v.state_pass, v.BT, v.dot_bf16, v.inverse_prec) == (cfg.state_pass, cfg.BT, cfg.dot_bf16, cfg.inverse_prec)
 
 

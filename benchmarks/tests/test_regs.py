@@ -23,7 +23,7 @@ def run_regs(*args: str) -> list[dict]:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| _")]
     return [dict(name=r[0].strip(), tiles=r[1], warps=int(r[2]), regs=int(r[4]), stack=int(r[5]), sass=int(r[10]),
-                 hmma=int(r[11]), bar=int(r[12]), smem=int(r[13]), shfl=int(r[14])) for r in rows]
+                 mma=int(r[11]), bar=int(r[12]), smem=int(r[13]), shfl=int(r[14])) for r in rows]
 
 
 def test_every_mixer_kernel_is_compiled_and_read():
@@ -35,8 +35,8 @@ def test_every_mixer_kernel_is_compiled_and_read():
     # the convs are elementwise row walks
     by_name = {r["name"]: r for r in rows}
     bwd, conv = by_name["_bwd_local_kernel"], by_name["_conv3_bwd_rows_kernel"]
-    assert bwd["hmma"] > 0 and bwd["bar"] > 0 and bwd["smem"] > 0 and bwd["sass"] > bwd["hmma"] + bwd["bar"]
-    assert conv["hmma"] == 0 and conv["sass"] > 0
+    assert bwd["mma"] > 0 and bwd["bar"] > 0 and bwd["smem"] > 0 and bwd["sass"] > bwd["mma"] + bwd["bar"]
+    assert conv["mma"] == 0 and conv["sass"] > 0
 
 
 def test_sass_mix_counts_opcodes_predicated_or_not():
@@ -51,8 +51,9 @@ def test_sass_mix_counts_opcodes_predicated_or_not():
         /*0050*/                   SHFL.BFLY PT, R6, R7, 0x1, 0x1f ;      /* 0x0c201f0007067f89 */
         /*0060*/                   LDS.64 R8, [R3+0x10] ;                 /* 0x0000100003087984 */
         /*0070*/                   HMMA.16816.F32.BF16 R4, R8, R14, R4 ;  /* 0x0000000e0804723c */
+        /*0080*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24 ;  /* 0x0000000004187de0 */
     """
-    assert sass_mix(sass) == dict(sass=8, hmma=2, bar=1, smem=3, shfl=1)
+    assert sass_mix(sass) == dict(sass=9, mma=3, bar=1, smem=3, shfl=1)
 
 
 def test_a_register_cap_shows_and_spills():

@@ -336,5 +336,5 @@ def test_gdn_layer_bench_dry_run(capsys):
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert {"hymo", "fla", "gemms"} <= set(rows)
     assert "skipped: GPU only" in rows["fla"]
-    # the seven projections save x once and o_proj's input: 2 x 64 fp32 values per token
+    # the in-projections save x once and o_proj its input: 2 x 64 fp32 values per token
     assert rows["gemms"].split("|")[4].strip() == "0.5"

@@ -2,8 +2,8 @@
 
 y[b, t, c] = silu(Σ_{j<W} w[c, W-1-j] · x[b, t-j, c]), a tap j used only where t-j ≥ 0 and, for
 packed rows, where the token's position inside its document is ≥ j (the conv never reaches
-across a document start). x may be a strided view (its last dim contiguous): the model hands
-the three projections' outputs in as they come.
+across a document start). x may be a strided view (its last dim contiguous): the fused mixer
+hands in column views of its one q/k/v projection.
 
 The backward recomputes the pre-activation from x rather than saving it: the conv's only saved
 tensors are x and w, the inputs it already holds. Each direction is one kernel, and dz = dy ⊙
@@ -503,14 +503,16 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None, 
     """conv_silu_bwd of the three projections in one launch and one dw sum (W ≤ 4; for a wider
     conv, one call each): (dq_in, dk_in, dv_in, dwq, dwk, dwv). dx is bitwise what three
     conv_silu_bwd calls give; dw equal up to the order of the fp32 sum over the partials.
-    ``out``: three [B, T, C] tensors with a contiguous last dim (e.g. views into one buffer) that
-    receive dq_in, dk_in, dv_in and are returned as them."""
+    ``out``: three [B, T, C] tensors with a contiguous last dim (e.g. views into one buffer, not
+    the inputs' memory) that receive dq_in, dk_in, dv_in and are returned as them."""
     xs, ws, dys = (q_in, k_in, v_in), (wq, wk, wv), (dq, dk, dv)
     if out is not None:
         for o, x in zip(out, xs):
-            if o.shape != x.shape or o.dtype != x.dtype or o.stride(-1) != 1:
-                raise ValueError(f"conv_silu_qkv_bwd: out must be like the inputs with a contiguous last dim, "
-                                 f"got {tuple(o.shape)} {o.dtype} strides {o.stride()}")
+            if (o.shape != x.shape or o.dtype != x.dtype or o.device != x.device or o.stride(-1) != 1
+                    or any(o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in xs + dys)):
+                raise ValueError(f"conv_silu_qkv_bwd: out must be like the inputs ({tuple(x.shape)} {x.dtype} on "
+                                 f"{x.device}) with a contiguous last dim and memory of its own, got "
+                                 f"{tuple(o.shape)} {o.dtype} on {o.device} strides {o.stride()}")
     if not _one_launch(xs, ws, positions):
         grads = [conv_silu_bwd(x, w, dy, positions) for x, w, dy in zip(xs, ws, dys)]
         dxs = tuple(g[0] for g in grads) if out is None else tuple(o.copy_(g[0]) for o, g in zip(out, grads))

@@ -87,6 +87,8 @@ def test_short_conv_qkv_in_one_launch(B, T, Cs, W, lengths, nan_poison):
     assert buf[..., :2].isnan().all() and buf[..., 2 + sum(Cs):].isnan().all()
     with pytest.raises(ValueError, match="out must be like the inputs"):
         conv_silu_qkv_bwd(*xs, *ws, *dys, pos, out=(outs[0].double(), outs[1], outs[2]))
+    with pytest.raises(ValueError, match="memory of its own"):  # the gradients would overwrite x
+        conv_silu_qkv_bwd(*xs, *ws, *dys, pos, out=xs)
 
 
 @pytest.mark.parametrize("ahead", [1, 2, 3, 4])
