@@ -13,6 +13,20 @@ from .naive import naive_recurrent_gated_delta_rule
 STRESS_TOL = 2e-2
 
 
+def collapsed_keys_inputs(B: int, T: int, H: int, K: int, seed: int = 0) -> dict:
+    """float64 q, k, v, g, beta (CPU) of the collapsed-keys case: unit keys at cos ≈ 0.99 to one
+    direction per head, β = 0.98, g = −1e-3 (slow decay), unit queries, Gaussian values (V = K)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    u = F.normalize(rnd(1, 1, H, K), dim=-1)
+    return dict(q=F.normalize(rnd(B, T, H, K), dim=-1), k=F.normalize(u + 0.05 * rnd(B, T, H, K), dim=-1),
+                v=rnd(B, T, H, K), g=torch.full((B, T, H), -1e-3, dtype=torch.float64),
+                beta=torch.full((B, T, H), 0.98, dtype=torch.float64))
+
+
 def collapsed_keys_errors(K: int, T: int = 4096, B: int = 2, H: int = 4, seed: int = 0,
                           device: str = "cuda") -> dict:
     """bf16 forward where a sub-chunk's keys are nearly parallel (cos ≈ 0.99), β ≈ 0.98 and the
@@ -21,15 +35,7 @@ def collapsed_keys_errors(K: int, T: int = 4096, B: int = 2, H: int = 4, seed: i
     recurrence (nan where ours is not finite)."""
     from .chunk import chunk_gated_delta_rule
 
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    u = F.normalize(rnd(1, 1, H, K), dim=-1)
-    x = dict(q=F.normalize(rnd(B, T, H, K), dim=-1), k=F.normalize(u + 0.05 * rnd(B, T, H, K), dim=-1),
-             v=rnd(B, T, H, K), g=torch.full((B, T, H), -1e-3, dtype=torch.float64),
-             beta=torch.full((B, T, H), 0.98, dtype=torch.float64))
+    x = collapsed_keys_inputs(B, T, H, K, seed)
     ref_o, ref_ht = naive_recurrent_gated_delta_rule(
         *(x[n].to(device) for n in ("q", "k", "v", "g", "beta")), output_final_state=True)
     o, ht = chunk_gated_delta_rule(*(x[n].to(device).bfloat16() for n in ("q", "k", "v", "g", "beta")),

@@ -20,7 +20,7 @@ from hymo_kernels.gdn import config as gdn_config
 from hymo_kernels.gdn import problem
 from hymo_kernels.gdn.chunk import chunk_gated_delta_rule
 from hymo_kernels.gdn.config import Config, KernelCfg
-from hymo_kernels.gdn.stress import STRESS_TOL, collapsed_keys_errors
+from hymo_kernels.gdn.stress import STRESS_TOL, collapsed_keys_errors, collapsed_keys_inputs
 
 pytestmark = pytest.mark.usefixtures("nan_poison")
 
@@ -119,17 +119,8 @@ def test_sub_chunks_of_32_with_collapsed_keys(tuning):
     (a Neumann product over the 32 rows gives errors of order 1 here). With the blocked inverse of
     wy._unit_lower_inverse, sub-chunks of 32 are as accurate as sub-chunks of 16 on the same
     inputs (whose errors in fp32 are this case's conditioning: a few times the random inputs')."""
-    gen = torch.Generator().manual_seed(0)
     B, T, H, K = 1, 64, 1, 32
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    u = torch.nn.functional.normalize(rnd(1, 1, H, K), dim=-1)
-    k = torch.nn.functional.normalize(u + 0.05 * rnd(B, T, H, K), dim=-1)
-    x = dict(q=torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1), k=k, v=rnd(B, T, H, K),
-             g=torch.full((B, T, H), -1e-3, dtype=torch.float64), beta=torch.full((B, T, H), 0.98, dtype=torch.float64),
-             h0=rnd(B, H, K, K))
+    x = dict(collapsed_keys_inputs(B, T, H, K), h0=torch.randn(B, H, K, K, generator=torch.Generator().manual_seed(1)))
     x = {n: t.float().to(DEVICE) for n, t in x.items()}
     loose = {n: 10 * v for n, v in TOL[torch.float32].items()}
     errs = {}
