@@ -11,8 +11,10 @@
 # Environment: CONFIG (default train_configs/hymo_750m.toml), STEPS (default 8: steps 1-4 take
 # the compiles, 5-7 warm the profiler, step STEPS is traced), GLOBAL_BATCH (default: the local
 # batch, from --training.local_batch_size or the config, so one microbatch per step; "config"
-# keeps the config's global batch), RUN_TIMEOUT (seconds, default 400). Extra arguments go to
-# run_train.sh. No checkpoints.
+# keeps the config's global batch), RUN_TIMEOUT (seconds, default 400), CUDA_ONLY=1 (trace the
+# GPU's activity alone, benchmarks/cuda_only_train.py: the step at its own pace, its idle where
+# it really is, but no host events to charge it to). Extra arguments go to run_train.sh. No
+# checkpoints.
 # For a bare GPU machine (scripts/gpu_env.sh): carry .whl/, data/brown/ and assets/tokenizer/;
 # results under $OUT when set, else outputs/step_profile. DRY=1 runs the same logic on the CPU
 # with the debug config, up to the trace (a CPU trace has no GPU kernels to break down).
@@ -32,6 +34,10 @@ else
 fi
 [[ "${STEPS}" =~ ^[0-9]+$ ]] && [ "${STEPS}" -ge 5 ] || { echo "step_profile: STEPS must be an integer >= 5" >&2; exit 2; }
 [ -f "${CONFIG}" ] || { echo "step_profile: no config ${CONFIG}" >&2; exit 2; }
+if [ "${CUDA_ONLY:-0}" = 1 ]; then
+    [ "${DRY:-0}" != 1 ] || { echo "step_profile: CUDA_ONLY=1 traces the GPU alone; DRY=1 runs on the CPU" >&2; exit 2; }
+    export TRAIN_FILE=benchmarks.cuda_only_train
+fi
 NAME=step_profile . scripts/gpu_env.sh
 if [ "${DRY:-0}" != 1 ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -12,7 +12,10 @@ and outside it (the step's span less the optimizer's; a GPU busy well below 100 
 host, not the GPU, sets the pace), the
 host's CUDA API time in launches and synchronisations, and the longest kernels by name. With
 ``--idle``: the GPU's idle gaps, charged to the host events around the launch that ended each,
-and every synchronising call under its host events.
+every synchronising call under its host events, and the GPU's busy share window by window over
+the step (``--window`` ms). A trace of CUDA activity alone (``CUDA_ONLY=1 bash
+benchmarks/step_profile.sh``) has no host events to charge gaps to, but its timeline is the
+undisturbed one: the host-side profiler slows the host, and so inflates the GPU's idle time.
 
     python -m benchmarks.trace_breakdown outputs/hymo_750m/profile_traces/iteration_12/rank0_trace.json
 
@@ -171,6 +174,24 @@ def idle_and_syncs(trace: dict, min_gap_us: float = 20.0) -> dict:
     return dict(gaps=dict(gaps), gap_ms=total, syncs=dict(syncs), min_gap_us=min_gap_us)
 
 
+def busy_timeline(trace: dict, window_ms: float = 50.0) -> list[float]:
+    """The GPU's busy share (%) in consecutive windows of window_ms from the first kernel's start
+    to the last one's end (the last window as long as what is left): where in the step the GPU
+    waited, e.g. at the step's start, after the previous step's closing host read."""
+    events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return []
+    t0, t1, w = min(s for s, _ in gpu), max(e for _, e in gpu), window_ms * 1e3
+    n = max(1, int(-(-(t1 - t0) // w)))
+    shares = []
+    for i in range(n):
+        lo, hi = t0 + i * w, min(t0 + (i + 1) * w, t1)
+        inside = [(max(s, lo), min(e, hi)) for s, e in gpu if s < hi and e > lo]
+        shares.append(100 * _union_ms(inside) * 1e3 / (hi - lo) if hi > lo else 100.0)
+    return shares
+
+
 def render_idle(r: dict, top: int = 15) -> str:
     rows = [f"GPU idle in gaps of >= {r['min_gap_us']:.0f} us: {r['gap_ms']:.1f} ms, charged to the host events "
             "around the launch that ended each gap", "",
@@ -212,7 +233,11 @@ def main(argv=None) -> int:
     ap.add_argument("--idle", action="store_true",
                     help="also: where the GPU sat idle (by the host events around the late launch) and where "
                          "the host synchronised")
+    ap.add_argument("--window", type=float, default=50.0,
+                    help="with --idle: the window (ms) of the GPU's busy timeline (default 50)")
     args = ap.parse_args(argv)
+    if args.window <= 0:
+        ap.error(f"--window must be > 0 ms, got {args.window:g}")
     try:
         opener = gzip.open if args.trace.endswith(".gz") else open
         with opener(args.trace, "rt") as f:
@@ -221,6 +246,9 @@ def main(argv=None) -> int:
         if args.idle:
             print()
             print(render_idle(idle_and_syncs(trace), args.top))
+            print()
+            print(f"GPU busy per {args.window:g} ms from the first kernel (%): "
+                  + " ".join(f"{x:.0f}" for x in busy_timeline(trace, args.window)))
     except (OSError, json.JSONDecodeError, ValueError) as e:
         print(f"trace_breakdown: {args.trace}: {e}", file=sys.stderr)
         return 2

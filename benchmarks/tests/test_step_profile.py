@@ -38,3 +38,23 @@ def test_bad_input_is_refused_before_any_run(tmp_path):
     res = run_script(tmp_path, CONFIG="train_configs/nope.toml")
     assert res.returncode == 2 and "no config train_configs/nope.toml" in res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_cuda_only_is_refused_on_the_cpu_path(tmp_path):
+    res = run_script(tmp_path, CUDA_ONLY="1")
+    assert res.returncode == 2 and "CUDA_ONLY=1 traces the GPU alone" in res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_cuda_only_profiler_keeps_the_gpu_activity_alone(monkeypatch):
+    import torch
+
+    from benchmarks import cuda_only_train
+
+    seen = {}
+    monkeypatch.setattr(cuda_only_train, "_profile", lambda *a, **kw: seen.update(kw))
+    acts = torch.profiler.ProfilerActivity
+    cuda_only_train._cuda_only(activities=[acts.CPU, acts.CUDA], record_shapes=True, schedule=None)
+    assert seen == dict(activities=[acts.CUDA], record_shapes=False, schedule=None)
+    with pytest.raises(RuntimeError, match="no CUDA activity"):
+        cuda_only_train._cuda_only(activities=[acts.CPU, None])

@@ -115,3 +115,19 @@ def test_idle_gaps_charged_to_the_late_launch_and_syncs_listed():
     assert tb.idle_and_syncs(TRACE, min_gap_us=61)["gap_ms"] == pytest.approx(2.02)
     text = tb.render_idle(r)
     assert "2.1 ms" in text and "| Optimizer.step#NorMuon.step | 0.79 | 2 |" in text
+
+
+def test_busy_timeline_window_by_window():
+    # kernels cover [100, 800) ∪ [1000, 1050) | [1500, 1520) ∪ [2000, 2100) | [2100, 2200) ∪ [2300, 2380)
+    # ∪ [2400, 2440) ∪ [2500, 2510) | [3200, 3500) ∪ [3600, 3700), the last window 600 µs long
+    assert tb.busy_timeline(TRACE, window_ms=1.0) == pytest.approx([75.0, 12.0, 23.0, 400 / 6])
+    assert tb.busy_timeline({"traceEvents": []}) == []
+
+
+def test_cli_prints_the_timeline_and_refuses_a_bad_window(tmp_path, capsys):
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps(TRACE))
+    assert tb.main([str(path), "--idle", "--window", "1"]) == 0
+    assert "GPU busy per 1 ms from the first kernel (%): 75 12 23 67" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tb.main([str(path), "--idle", "--window", "0"])

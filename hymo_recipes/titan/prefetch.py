@@ -16,6 +16,17 @@ must record the consumed position. The thread takes the position after each batc
 the batch; the consumer publishes it when it takes the batch (``HymoDataloader.consumed``), and
 the checkpoint saves that.
 
+The thread's reading is Python work that competes with the main thread for the GIL, and a step
+takes all of its microbatches before its first forward. Read all at once, the next step's
+batches would be read while the host does the work the GPU waits for most: FSDP's gather of the
+parameters and the first forward, right after the previous step's closing host read, when the
+GPU has nothing queued, so that every stall of the main thread is GPU idle. So the trainer paces
+the reading (``paced=True``): the thread reads a batch only against a credit, ``depth + 1`` at
+the start (a step's batches and the next in hand) and one per ``grant()``. The train step grants
+one after each microbatch it has launched, when the GPU has that microbatch's backward queued,
+so the next step's batches are read one per microbatch. A consumer waiting for a batch not yet
+granted lets the thread read it, so one that never grants still gets every batch.
+
 An exception in the thread (the data ran out, a bad document) is raised by the consumer at the
 batch where it happened, in order; the end of the data is ``StopIteration`` there. Closing the
 prefetcher (or leaving its ``with`` block) stops the thread and closes the iterator it read
@@ -44,13 +55,18 @@ class Prefetcher:
         depth: batches held ready at most (>= 1).
         on_start: run first on the thread (e.g. ``torch.cuda.set_device``: a new thread's
             current CUDA device is 0, and a dataloader with pinning workers reads it).
+        paced: read only against credits (``grant``; the module's docstring says why).
     """
 
     def __init__(self, iterable: Iterable, prepare: Callable[[Any], Any], snapshot: Callable[[], Any],
-                 depth: int, on_start: Callable[[], None] | None = None):
+                 depth: int, on_start: Callable[[], None] | None = None, paced: bool = False):
         if depth < 1:
             raise ValueError(f"Prefetcher: depth must be >= 1, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        # paced: batches the thread may have read in all, batches read, batches taken
+        self._paced = paced
+        self._allowed, self._read_count, self._taken = depth + 1, 0, 0
+        self._credit = threading.Condition()
         self._stop = threading.Event()
         self._done = False
         self._thread = threading.Thread(target=self._read, args=(iter(iterable), prepare, snapshot, on_start),
@@ -67,11 +83,33 @@ class Prefetcher:
                 continue
         return False
 
+    def _take_credit(self) -> bool:
+        """Waits until one more batch may be read (at once when not paced); False once closed."""
+        if not self._paced:
+            return not self._stop.is_set()
+        with self._credit:
+            while not self._stop.is_set():
+                if self._read_count < self._allowed:
+                    self._read_count += 1
+                    return True
+                self._credit.wait(timeout=0.05)
+        return False
+
+    def _allow(self, at_least: int | None = None) -> None:
+        with self._credit:
+            self._allowed = max(self._allowed, at_least) if at_least is not None else self._allowed + 1
+            self._credit.notify()
+
+    def grant(self) -> None:
+        """One more batch may be read (paced prefetchers; a no-op otherwise)."""
+        if self._paced:
+            self._allow()
+
     def _read(self, iterator: Iterator, prepare, snapshot, on_start) -> None:
         try:
             if on_start is not None:
                 on_start()
-            while not self._stop.is_set():
+            while self._take_credit():
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -92,6 +130,9 @@ class Prefetcher:
     def __next__(self):
         if self._done:
             raise StopIteration
+        if self._paced:  # the batch wanted may be read even if not granted: never wait for a grant
+            self._taken += 1
+            self._allow(at_least=self._taken)
         item = self._queue.get()
         if item is _END:
             self._done = True

@@ -11,8 +11,9 @@ TorchTitan's code unchanged. On the CPU the moves are plain ``to`` calls, as bef
 batches arrive prepared (``batch_generator``): with ``[hymo] document_masking`` each
 microbatch's document boundaries added on the host, before the copy
 (hymo_recipes/titan/documents.py), and on the GPU pinned; with ``[hymo] data_prefetch`` (on by
-default) read and prepared on a thread one optimizer step ahead, so the GPU does not wait for the
-host to read a step's microbatches (hymo_recipes/titan/prefetch.py). With ``[hymo]
+default) read and prepared on a thread one optimizer step ahead, one batch per microbatch
+launched, so the GPU does not wait for the host to read a step's microbatches
+(hymo_recipes/titan/prefetch.py). With ``[hymo]
 fsdp_sync_once_per_step`` (or ``fsdp_units = "auto"`` on one rank: parallelize.fsdp_plan) FSDP
 reduce-scatters and reshards after a step's last microbatch only.
 With the model's ``fused_loss_chunk`` > 0 the labels go to the model too, which then returns the
@@ -64,6 +65,7 @@ class HymoTrainer(Trainer):
 
     _start_step: int | None = None
     _data_can_run_out = True
+    _prefetcher: Prefetcher | None = None
 
     def _prepare_batch(self, split, batch):
         """A batch as the train step takes it: its documents' boundaries added (``split``, None
@@ -80,8 +82,9 @@ class HymoTrainer(Trainer):
         """TorchTitan 0.2.2's batch_generator (tokens seen, data-loading time, the end of the data
         as DataloaderExhaustedError) yielding prepared batches (``_prepare_batch``). With
         ``[hymo] data_prefetch`` and HyMo's dataloader they are read and prepared on a thread one
-        optimizer step ahead (hymo_recipes/titan/prefetch.py), the checkpoint keeping the
-        position of the batches taken here; the data-loading time is then the wait for a
+        optimizer step ahead, one batch per microbatch that train_step launches
+        (hymo_recipes/titan/prefetch.py), the checkpoint keeping the position of the batches
+        taken here; the data-loading time is then the wait for a
         prepared batch (without it, the reading and preparing)."""
         split = documents.splitter(self.job_config, self.tokenizer)
         prepare = functools.partial(self._prepare_batch, split)
@@ -91,7 +94,8 @@ class HymoTrainer(Trainer):
             # a step's microbatches ready, and the next one in hand
             on_start = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
             batches = Prefetcher(loader, prepare, loader.live_state, max(1, self.gradient_accumulation_steps),
-                                 on_start=on_start)
+                                 on_start=on_start, paced=True)
+            self._prefetcher = batches  # train_step grants it one batch per microbatch launched
         else:
             batches = ((prepare(batch), None) for batch in data_iterable)
         try:
@@ -110,6 +114,7 @@ class HymoTrainer(Trainer):
                 self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
                 yield input_dict, labels
         finally:
+            self._prefetcher = None
             batches.close()
 
     def _sync_gradients(self, last: bool) -> None:
@@ -205,6 +210,8 @@ class HymoTrainer(Trainer):
             loss = self.forward_backward_step(input_dict=input_dict, labels=labels,
                                               global_valid_tokens=global_valid_tokens)
             accumulated_losses.append(loss.detach())
+            if self._prefetcher is not None:  # one batch of the next step read while this one runs
+                self._prefetcher.grant()
 
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],

@@ -58,6 +58,51 @@ def test_it_reads_ahead_up_to_its_depth_and_no_further():
         _wait_until(lambda: len(read) >= 6)
 
 
+def test_paced_it_reads_only_what_was_granted_or_is_waited_for():
+    read = []
+    with Prefetcher(counting(30, read), prepare=lambda i: i, snapshot=lambda: len(read), depth=4, paced=True) as p:
+        _wait_until(lambda: len(read) >= 5)  # depth + 1 credits at the start
+        time.sleep(0.05)
+        assert len(read) == 5
+        assert [next(p)[0] for _ in range(3)] == [0, 1, 2]
+        time.sleep(0.05)
+        assert len(read) == 5  # room in the queue, but no credit
+        p.grant()
+        p.grant()
+        _wait_until(lambda: len(read) >= 7)
+        time.sleep(0.05)
+        assert len(read) == 7
+        # a consumer that stops granting still gets every batch, in order, read as it waits
+        assert [item for item, _ in p] == list(range(3, 30))
+        assert len(read) == 30
+
+
+def test_unpaced_grant_changes_nothing():
+    read = []
+    with Prefetcher(counting(10, read), prepare=lambda i: i, snapshot=lambda: len(read), depth=2) as p:
+        p.grant()
+        _wait_until(lambda: len(read) >= 3)
+        time.sleep(0.05)
+        assert len(read) == 3
+        assert [item for item, _ in p] == list(range(10))
+
+
+def test_close_stops_a_paced_thread_waiting_for_a_credit():
+    closed = threading.Event()
+
+    def source():
+        try:
+            yield from range(100)
+        finally:
+            closed.set()
+
+    p = Prefetcher(source(), prepare=lambda i: i, snapshot=lambda: None, depth=2, paced=True)
+    assert next(p)[0] == 0
+    _wait_until(lambda: p._read_count == 3)
+    p.close()
+    assert closed.is_set() and not p._thread.is_alive()
+
+
 def test_an_error_is_raised_where_it_happened_and_ends_the_iteration():
     closed = threading.Event()
 
@@ -130,17 +175,51 @@ def _trainer(tokenizer, prefetch: bool, accumulation: int = 2):
     return t
 
 
+def test_the_train_step_grants_one_batch_after_each_microbatch_it_launched():
+    """The next step's batches are read one per microbatch, after it is launched (prefetch.py)."""
+    from hymo_recipes.titan.trainer import HymoTrainer
+
+    events = []
+
+    def forward_backward_step(input_dict, labels, global_valid_tokens):
+        events.append("microbatch")
+        return torch.tensor(1.0)
+
+    t = object.__new__(HymoTrainer)  # only what train_step reads
+    t._start_step, t._data_can_run_out, t.step, t.device = 1, False, 1, torch.device("cpu")
+    t.gradient_accumulation_steps = 3
+    t.parallel_dims = SimpleNamespace(dp_enabled=False, ep_enabled=False, get_optional_mesh=lambda name: None)
+    t.job_config = SimpleNamespace(model=SimpleNamespace(name="peer"), training=SimpleNamespace(max_norm=1.0),
+                                   hymo=SimpleNamespace(fsdp_sync_once_per_step=False))
+    t.model_args = SimpleNamespace(fused_loss_chunk=0)
+    t.model_parts = [torch.nn.Linear(2, 2)]
+    t.optimizers = SimpleNamespace(zero_grad=lambda: None, step=lambda: events.append("optimizer"))
+    t.lr_schedulers = SimpleNamespace(schedulers=[SimpleNamespace(get_last_lr=lambda: [1e-3])], step=lambda: None)
+    t.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None)
+    t.metrics_processor = SimpleNamespace(should_log=lambda step: False)
+    t.forward_backward_step = forward_backward_step
+    t._prefetcher = SimpleNamespace(grant=lambda: events.append("grant"))
+    batch = ({"input": torch.ones(1, 4, dtype=torch.long)}, torch.ones(1, 4, dtype=torch.long))
+    t.train_step(iter([batch] * 3))
+    assert events == ["microbatch", "grant"] * 3 + ["optimizer"]
+
+
 def test_the_trainers_batches_are_the_same_with_and_without_prefetching(tokenizer):
     """Each batch with its document boundaries, the token count and one loading time per batch,
     alike either way; the data's end is DataloaderExhaustedError as in TorchTitan."""
     def run(prefetch):
         t, dl = _trainer(tokenizer, prefetch), loader(tokenizer)
         gen = t.batch_generator(dl)
-        out = [next(gen) for _ in range(5)]
-        if prefetch:  # the thread reads on (depth 2 + one in hand) before the last batch is taken
+        out = []
+        for _ in range(5):
+            out.append(next(gen))
+            if prefetch:  # as train_step does after each microbatch it launched
+                t._prefetcher.grant()
+        if prefetch:  # the thread reads on (3 at the start, 5 granted) before the last batch is taken
             _wait_until(lambda: dl.sequences_consumed == 8 * BATCH)
         out.append(next(gen))
         gen.close()
+        assert t._prefetcher is None
         return t, dl, out
 
     t_plain, dl_plain, plain = run(False)
