@@ -177,19 +177,30 @@ def idle_and_syncs(trace: dict, min_gap_us: float = 20.0) -> dict:
 def busy_timeline(trace: dict, window_ms: float = 50.0) -> list[float]:
     """The GPU's busy share (%) in consecutive windows of window_ms from the first kernel's start
     to the last one's end (the last window as long as what is left): where in the step the GPU
-    waited, e.g. at the step's start, after the previous step's closing host read."""
+    waited, e.g. at the step's start, after the previous step's closing host read (idle before
+    the first kernel is not counted)."""
     events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
-    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     if not gpu:
         return []
-    t0, t1, w = min(s for s, _ in gpu), max(e for _, e in gpu), window_ms * 1e3
+    t0, t1, w = gpu[0][0], max(e for _, e in gpu), window_ms * 1e3
     n = max(1, int(-(-(t1 - t0) // w)))
-    shares = []
-    for i in range(n):
-        lo, hi = t0 + i * w, min(t0 + (i + 1) * w, t1)
-        inside = [(max(s, lo), min(e, hi)) for s, e in gpu if s < hi and e > lo]
-        shares.append(100 * _union_ms(inside) * 1e3 / (hi - lo) if hi > lo else 100.0)
-    return shares
+    busy = [0.0] * n
+    end = float("-inf")  # the union of the intervals, swept once, each piece split across windows
+    for s0, e0 in gpu:
+        s0 = max(s0, end)
+        if e0 <= s0:
+            continue
+        end = e0
+        while s0 < e0:
+            i = min(int((s0 - t0) // w), n - 1)
+            while i < n - 1 and t0 + (i + 1) * w <= s0:  # rounding in the division
+                i += 1
+            cut = e0 if i == n - 1 else min(e0, t0 + (i + 1) * w)
+            busy[i] += cut - s0
+            s0 = cut
+    lengths = [min(w, t1 - t0 - i * w) for i in range(n)]
+    return [100 * b / length if length > 0 else 100.0 for b, length in zip(busy, lengths)]
 
 
 def render_idle(r: dict, top: int = 15) -> str:

@@ -131,3 +131,9 @@ def test_cli_prints_the_timeline_and_refuses_a_bad_window(tmp_path, capsys):
     assert "GPU busy per 1 ms from the first kernel (%): 75 12 23 67" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tb.main([str(path), "--idle", "--window", "0"])
+
+
+def test_busy_timeline_splits_a_kernel_across_windows_and_counts_overlaps_once():
+    trace = {"traceEvents": [_k("a", 0, 250, 1), _k("b", 100, 50, 2), _k("c", 250, 50, 3), _k("d", 390, 10, 4)]}
+    # busy [0, 300) ∪ [390, 400): windows of 100 µs
+    assert tb.busy_timeline(trace, window_ms=0.1) == pytest.approx([100.0, 100.0, 100.0, 10.0])

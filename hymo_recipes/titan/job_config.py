@@ -104,8 +104,9 @@ class Hymo:
     """Read and prepare each step's training batches (cut from the token stream, collated, their
     documents found, pinned for the copy to the GPU) on a background thread while the step
     before computes, one batch per microbatch launched, instead of on the training thread at the
-    start of each step, where the GPU waits for it (hymo_recipes/titan/prefetch.py). The same batches in the same order; a
-    checkpoint saves the position of the batches the train step took, not of those read ahead.
+    start of each step, where the GPU waits for it (hymo_recipes/titan/prefetch.py). The same
+    batches in the same order; a checkpoint saves the position of the batches the train step
+    took, not of those read ahead.
     Applies to HyMo's dataloader (every run through HyMo's trainer builds it)."""
     allow_data_repeat: bool = False
     """Loop over the training (and validation) data when the run reads more than it holds. Off:

@@ -97,8 +97,10 @@ class Prefetcher:
 
     def _allow(self, at_least: int | None = None) -> None:
         with self._credit:
-            self._allowed = max(self._allowed, at_least) if at_least is not None else self._allowed + 1
-            self._credit.notify()
+            allowed = max(self._allowed, at_least) if at_least is not None else self._allowed + 1
+            if allowed != self._allowed:
+                self._allowed = allowed
+                self._credit.notify()
 
     def grant(self) -> None:
         """One more batch may be read (paced prefetchers; a no-op otherwise)."""
@@ -145,6 +147,8 @@ class Prefetcher:
     def close(self) -> None:
         """Stops the thread and waits for it (at most the batch it is reading)."""
         self._stop.set()
+        with self._credit:  # wake a thread waiting for a credit
+            self._credit.notify_all()
         while True:  # unblock a thread waiting for room
             try:
                 self._queue.get_nowait()

@@ -114,7 +114,8 @@ class HymoTrainer(Trainer):
                 self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
                 yield input_dict, labels
         finally:
-            self._prefetcher = None
+            if self._prefetcher is batches:
+                self._prefetcher = None
             batches.close()
 
     def _sync_gradients(self, last: bool) -> None:

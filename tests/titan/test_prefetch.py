@@ -34,6 +34,16 @@ def counting(n: int, read: list):
         yield i
 
 
+def _within(fn, timeout=10.0):
+    """fn() on a daemon thread; fails instead of hanging if it does not return in time."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "hung"
+    return out[0]
+
+
 def _wait_until(cond, timeout=10.0):
     end = time.monotonic() + timeout
     while not cond():
@@ -73,7 +83,7 @@ def test_paced_it_reads_only_what_was_granted_or_is_waited_for():
         time.sleep(0.05)
         assert len(read) == 7
         # a consumer that stops granting still gets every batch, in order, read as it waits
-        assert [item for item, _ in p] == list(range(3, 30))
+        assert _within(lambda: [item for item, _ in p]) == list(range(3, 30))
         assert len(read) == 30
 
 
@@ -98,8 +108,8 @@ def test_close_stops_a_paced_thread_waiting_for_a_credit():
 
     p = Prefetcher(source(), prepare=lambda i: i, snapshot=lambda: None, depth=2, paced=True)
     assert next(p)[0] == 0
-    _wait_until(lambda: p._read_count == 3)
-    p.close()
+    _wait_until(lambda: p._read_count == 3 and p._queue.full())  # 1 and 2 queued, no credit for 3
+    _within(p.close)
     assert closed.is_set() and not p._thread.is_alive()
 
 
