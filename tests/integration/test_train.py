@@ -338,3 +338,15 @@ def test_fused_loss_through_the_train_loop(tmp_path):
     # ... and it did run the other path: the chunked sums round differently somewhere
     assert any(plain[t][s] != fused[t][s] for t in ("loss_metrics/main_ce", "loss_metrics/mtp_1_ce",
                                                     "grad_norm") for s in plain[t])
+
+
+def test_the_paced_prefetch_changes_no_number(tmp_path):
+    """Four microbatches per step, their batches read on the prefetch thread one per microbatch
+    the train step launched (hymo_recipes/titan/prefetch.py) or on the training thread: the same
+    batches in the same order, so every logged number is bitwise the same."""
+    args = ("--training.steps", "3", "--training.global_batch_size", "16", "--validation.no-enable",
+            "--checkpoint.no-enable", *MOVING_LR)
+    log = run_train(tmp_path / "paced", 1, *args)
+    assert "gradient accumulation steps 4" in log
+    run_train(tmp_path / "plain", 1, *args, "--hymo.no-data_prefetch")
+    assert_same_training_metrics(read_scalars(tmp_path / "plain"), read_scalars(tmp_path / "paced"))
