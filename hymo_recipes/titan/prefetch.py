@@ -35,6 +35,7 @@ prefetcher (or leaving its ``with`` block) stops the thread and closes the itera
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from typing import Any, Callable, Iterable, Iterator
@@ -63,9 +64,9 @@ class Prefetcher:
         if depth < 1:
             raise ValueError(f"Prefetcher: depth must be >= 1, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        # paced: batches the thread may have read in all, batches read, batches taken
-        self._paced = paced
-        self._allowed, self._read_count, self._taken = depth + 1, 0, 0
+        # batches the thread may have read in all (unbounded unless paced), read, taken
+        self._allowed = depth + 1 if paced else math.inf
+        self._read_count, self._taken = 0, 0
         self._credit = threading.Condition()
         self._stop = threading.Event()
         self._done = False
@@ -85,8 +86,6 @@ class Prefetcher:
 
     def _take_credit(self) -> bool:
         """Waits until one more batch may be read (at once when not paced); False once closed."""
-        if not self._paced:
-            return not self._stop.is_set()
         with self._credit:
             while not self._stop.is_set():
                 if self._read_count < self._allowed:
@@ -96,6 +95,7 @@ class Prefetcher:
         return False
 
     def _allow(self, at_least: int | None = None) -> None:
+        """Raises the allowance by one, or to at least ``at_least`` (no change when unpaced)."""
         with self._credit:
             allowed = max(self._allowed, at_least) if at_least is not None else self._allowed + 1
             if allowed != self._allowed:
@@ -104,8 +104,7 @@ class Prefetcher:
 
     def grant(self) -> None:
         """One more batch may be read (paced prefetchers; a no-op otherwise)."""
-        if self._paced:
-            self._allow()
+        self._allow()
 
     def _read(self, iterator: Iterator, prepare, snapshot, on_start) -> None:
         try:
@@ -132,9 +131,8 @@ class Prefetcher:
     def __next__(self):
         if self._done:
             raise StopIteration
-        if self._paced:  # the batch wanted may be read even if not granted: never wait for a grant
-            self._taken += 1
-            self._allow(at_least=self._taken)
+        self._taken += 1  # the batch wanted may be read even if not granted: never wait for a grant
+        self._allow(at_least=self._taken)
         item = self._queue.get()
         if item is _END:
             self._done = True
