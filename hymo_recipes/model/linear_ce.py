@@ -14,8 +14,9 @@ Numerics follow the reference: h and the weight in their dtype (autocast's, when
 ``F.linear`` would cast them), logits in that dtype (the matmul accumulates in fp32), the
 softmax and the loss in fp32, the logits' gradient rounded to that dtype before its two matmuls;
 each chunk's dW product in that dtype, summed over the chunks in fp32 (or the weight's dtype if
-wider). The per-chunk elementwise work is ``ce_chunk`` or what the caller passes instead (the
-parallelize function hands the model a compiled ``ce_chunk``).
+wider). The per-chunk elementwise work is ``ce_chunk`` (``hymo_kernels.ce``) or what the caller
+passes instead (the parallelize function hands the model the Triton kernel on a GPU and a
+compiled ``ce_chunk`` on the CPU).
 """
 
 from __future__ import annotations
@@ -24,24 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-IGNORE_INDEX = -100  # TorchTitan's (a target that counts for nothing)
+from hymo_kernels.ce import IGNORE_INDEX, ce_chunk
 
-
-def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(sum of the chunk's CE over targets != IGNORE_INDEX as fp32, d sum / d logits in logits'
-    dtype or None); logits [c, V], targets [c]."""
-    x = logits.float()
-    valid = targets != IGNORE_INDEX
-    t = torch.where(valid, targets, 0)[:, None]
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    loss = torch.where(valid, (lse - x.gather(1, t)).squeeze(1), 0.0).sum()
-    if not want_grad:
-        return loss, None
-    # in place: eager, one fp32 [c, V] buffer besides x
-    grad = x.sub_(lse).exp_()
-    grad.scatter_add_(1, t, torch.full_like(t, -1, dtype=grad.dtype))
-    return loss, grad.mul_(valid[:, None]).to(logits.dtype)
+__all__ = ["IGNORE_INDEX", "ce_chunk", "linear_cross_entropy", "linear_cross_entropy_reference"]
 
 
 def _chunks(h, weight, targets, chunk, chunk_fn, want_h: bool, want_w: bool):

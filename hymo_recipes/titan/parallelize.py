@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from hymo_recipes.model.linear_ce import ce_chunk
+from hymo_kernels.ce import ce_chunk
+from hymo_kernels.ce.chunk import ce_chunk as ce_chunk_triton
 from hymo_recipes.model.recompute import defer_to_outer_checkpoint
 from hymo_recipes.nonfinite_probe import NonfiniteProbe
 from hymo_recipes.titan.api import TORCH_DTYPE_MAP, apply_ac, logger
@@ -131,14 +132,28 @@ def apply_checkpointing(model: nn.Module, job_config, compile_model: bool) -> li
 
 
 def apply_loss_compile(model: nn.Module, job_config) -> bool:
-    """Compiles the fused readout + cross-entropy's per-chunk elementwise work
-    (hymo_recipes/model/linear_ce.py) when compile is on with "loss" among its components and the
-    model computes its loss (``fused_loss_chunk`` > 0); whether it did."""
+    """Makes the fused readout + cross-entropy's per-chunk work (hymo_recipes/model/linear_ce.py)
+    fast when compile is on with "loss" among its components and the model computes its loss
+    (``fused_loss_chunk`` > 0); whether it did. On a GPU the chunks go to HyMo's Triton kernel
+    (hymo_kernels.ce.chunk: the logits read once, which Inductor's code for them does not do),
+    elsewhere to ``ce_chunk`` compiled; the choice is made per call by the logits' device."""
     c = job_config.compile
     if not (c.enable and "loss" in c.components and model.model_args.fused_loss_chunk):
         return False
-    model.loss_chunk_fn = torch.compile(ce_chunk, backend=c.backend, dynamic=False)
+    model.loss_chunk_fn = LossChunks(torch.compile(ce_chunk, backend=c.backend, dynamic=False))
     return True
+
+
+class LossChunks:
+    """The fused loss's per-chunk function: CUDA logits to the Triton kernel, others to ``cpu``."""
+
+    def __init__(self, cpu):
+        self.cpu = cpu
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, want_grad: bool):
+        if logits.is_cuda:
+            return ce_chunk_triton(logits, targets, want_grad)
+        return self.cpu(logits, targets, want_grad)
 
 
 def reshard_after_forward(policy: str, ranks: int) -> bool:

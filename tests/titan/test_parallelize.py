@@ -78,6 +78,21 @@ def test_the_fused_loss_is_compiled_only_when_asked(enable, components, chunk, c
         torch.testing.assert_close(a, b)
 
 
+def test_the_fused_loss_sends_gpu_chunks_to_the_triton_kernel(monkeypatch):
+    """Compiled "loss": CUDA logits go to HyMo's Triton kernel, CPU logits to the compiled reference."""
+    from types import SimpleNamespace as NS
+
+    from hymo_recipes.titan import parallelize
+
+    calls = []
+    monkeypatch.setattr(parallelize, "ce_chunk_triton", lambda *a: calls.append(("triton", a)) or "triton")
+    chunks = parallelize.LossChunks(lambda *a: calls.append(("cpu", a)) or "cpu")
+    gpu_logits = NS(is_cuda=True)
+    assert chunks(gpu_logits, "targets", True) == "triton"
+    assert chunks(NS(is_cuda=False), "targets", False) == "cpu"
+    assert calls == [("triton", (gpu_logits, "targets", True)), ("cpu", (calls[1][1][0], "targets", False))]
+
+
 @pytest.mark.parametrize("units, sync_once, ranks, plan", [
     ("auto", False, 1, ("model", True)),  # one rank: one unit, gradients reduced once per step
     ("auto", False, 2, ("block", False)),
