@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from ..runtime import unavailable_reason
 from .chunk_torch import IGNORE_INDEX
 
 try:
@@ -75,12 +76,7 @@ if _TRITON_ERROR is None:
 
 def unavailable(device_type: str) -> str | None:
     """Why the kernel cannot run on tensors of this device type here (None: it can)."""
-    if _TRITON_ERROR is not None:
-        return f"needs Triton, which failed to import ({_TRITON_ERROR!r})"
-    if device_type != "cuda" and not _INTERPRET:
-        return (f"needs CUDA tensors (got {device_type}), or TRITON_INTERPRET=1 set before importing "
-                "hymo_kernels to run it in Triton's CPU interpreter")
-    return None
+    return unavailable_reason(device_type, _TRITON_ERROR, _INTERPRET)
 
 
 def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool

@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from ..runtime import unavailable_reason
 from .config import BWD_PATHS, KERNELS, TABLE, TUNING, Config, KernelCfg, config_from_entry, get_config
 from .naive import check_gdn_inputs
 from .problem import Problem, _common, _overridden, make_problem, saved_states_dtype, saved_t_dtype
@@ -209,12 +210,7 @@ class _EagerGDN(torch.autograd.Function):
 
 def unavailable(device_type: str) -> str | None:
     """Why the Triton backend cannot run on tensors of this device type here (None: it can)."""
-    if _TRITON_ERROR is not None:
-        return f"needs Triton, which failed to import ({_TRITON_ERROR!r})"
-    if device_type != "cuda" and not _INTERPRET:
-        return (f"needs CUDA tensors (got {device_type}), or TRITON_INTERPRET=1 set before importing "
-                "hymo_kernels to run the kernels in Triton's (slow) CPU interpreter")
-    return None
+    return unavailable_reason(device_type, _TRITON_ERROR, _INTERPRET)
 
 
 def _check_runnable(q: torch.Tensor) -> None:
