@@ -125,7 +125,8 @@ class GatedDeltaNet(nn.Module):
         a_proj and b_proj run as one GEMM (their weights side by side; the parameters stay
         separate): each alone is a launch-bound product a few heads wide, and each adds an
         input-gradient term that the block's norm backward reads."""
-        a, b = F.linear(x, torch.cat([self.a_proj.weight, self.b_proj.weight])).float().chunk(2, dim=-1)
+        a, b = F.linear(x, torch.cat([self.a_proj.weight, self.b_proj.weight])).float().split(
+            [self.a_proj.out_features, self.b_proj.out_features], dim=-1)
         beta = torch.sigmoid(b).to(x.dtype)
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         return beta, g

@@ -158,7 +158,7 @@ class HymoModel(nn.Module):
             block = MLABlock if i in model_args.mla_layers else GDNBlock
             self.layers[str(i)] = block(i, model_args)
         self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.loss_chunk_fn = ce_chunk  # the fused loss's per-chunk work (parallelize may compile it)
+        self.loss_chunk_fn = ce_chunk  # the fused loss's per-chunk work (parallelize may swap in a faster one)
         self.mtp_heads = nn.ModuleDict(
             {str(k): MTPHead(model_args.dim, model_args.mtp_inter_dim, model_args.norm_eps)
              for k in range(1, model_args.mtp_depth + 1)}

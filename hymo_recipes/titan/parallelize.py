@@ -141,6 +141,8 @@ def apply_loss_compile(model: nn.Module, job_config) -> bool:
     if not (c.enable and "loss" in c.components and model.model_args.fused_loss_chunk):
         return False
     model.loss_chunk_fn = LossChunks(torch.compile(ce_chunk, backend=c.backend, dynamic=False))
+    logger.info("The fused loss's per-chunk cross-entropy: HyMo's Triton kernel on GPU logits, "
+                "ce_chunk compiled on others (compile components include \"loss\")")
     return True
 
 

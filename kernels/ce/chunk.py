@@ -43,6 +43,7 @@ if _TRITON_ERROR is None:
         t = tl.load(targets + row)
         valid = t != IGNORE
         tt = tl.where(valid, t, 0)
+        inside = (tt >= 0) & (tt < V)
         base = logits + row * stride_l
         gbase = grad + row * stride_g
         offs = tl.arange(0, BLOCK)
@@ -59,7 +60,7 @@ if _TRITON_ERROR is None:
                 s_run = s_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(xs - m_new), 0)
                 m_run = m_new
             lse = m_run + tl.log(s_run)
-        xt = tl.load(base + tt).to(tl.float32)
+        xt = tl.load(base + tt, mask=inside, other=float("nan")).to(tl.float32)  # a target outside [0, V): NaN
         tl.store(loss + row, tl.where(valid, lse - xt, 0.0))
         if WANT_GRAD:
             keep = tl.where(valid, 1.0, 0.0)
@@ -82,9 +83,10 @@ def unavailable(device_type: str) -> str | None:
 def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``chunk_torch.ce_chunk`` in one kernel: (sum of the chunk's CE over targets !=
-    IGNORE_INDEX as fp32, d sum / d logits in logits' dtype or None); logits [c, V] (last dim
-    contiguous), targets [c] integer class indices in [0, V) or IGNORE_INDEX (not checked: an
-    out-of-range target reads outside its row, as ``gather`` would fail)."""
+    IGNORE_INDEX as fp32, d sum / d logits in logits' dtype or None); logits [c, V], targets [c]
+    integer class indices in [0, V) or IGNORE_INDEX. A target outside both makes the loss NaN
+    (checked on the device: the reference's ``gather`` fails there instead), which the trainer's
+    non-finite guard then reports."""
     if why := unavailable(logits.device.type):
         raise RuntimeError(f"the Triton cross-entropy kernel {why}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
@@ -92,6 +94,7 @@ def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, want_grad: bool
                          f"and {tuple(targets.shape)}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    targets = targets.contiguous()
     c, V = logits.shape
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_grad else loss

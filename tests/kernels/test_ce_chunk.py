@@ -58,7 +58,11 @@ def test_loss_and_gradient_match_the_reference(c, V, dtype, tiles, monkeypatch, 
     assert grad[0].abs().max() > 0
 
 
-def test_without_a_gradient_and_with_every_target_ignored():
+@pytest.mark.parametrize("tiles", [None, (16, 8)], ids=["whole", "tiled"])
+def test_without_a_gradient_and_with_every_target_ignored(tiles, monkeypatch):
+    if tiles:
+        monkeypatch.setattr(ce_triton, "ROW_MAX", tiles[0])
+        monkeypatch.setattr(ce_triton, "TILE", tiles[1])
     logits, targets = _problem(5, 40, torch.float32)
     loss, grad = ce_triton.ce_chunk(logits, targets, False)
     assert grad is None
@@ -67,15 +71,26 @@ def test_without_a_gradient_and_with_every_target_ignored():
     assert loss.item() == 0.0 and grad.abs().max() == 0
 
 
-def test_a_strided_chunk_and_an_empty_one():
+def test_strided_logits_and_targets_and_an_empty_chunk():
     logits, targets = _problem(6, 48, torch.float32)
     wide = torch.cat([logits, logits], dim=1)[:, :48]  # rows 96 apart, the last dim contiguous
-    loss, grad = ce_triton.ce_chunk(wide, targets, True)
+    spread = torch.stack([targets, torch.zeros_like(targets)], 1)[:, 0]  # every other element
+    assert not spread.is_contiguous()
+    loss, grad = ce_triton.ce_chunk(wide, spread, True)
     ref_loss, ref_grad = ce_chunk(logits.clone(), targets, True)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-6)
     loss, grad = ce_triton.ce_chunk(logits[:0], targets[:0], True)
     assert loss.item() == 0.0 and grad.shape == (0, 48)
+
+
+def test_a_target_outside_the_vocabulary_makes_the_loss_nan():
+    logits, targets = _problem(4, 16, torch.float32)
+    for bad in (16, -3):
+        t = targets.clone()
+        t[2] = bad
+        loss, _ = ce_triton.ce_chunk(logits, t, True)
+        assert loss.isnan()
 
 
 def test_bad_input_and_an_unavailable_device_say_so(monkeypatch):
@@ -93,8 +108,8 @@ def test_bad_input_and_an_unavailable_device_say_so(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("V", [8192, 64256])
 def test_gpu_bf16_at_the_training_shape(V):
-    """A chunk of the fused loss as training runs it (8,192 tokens, bf16 logits), the vocabulary of
-    the embedded tokenizer (rows kept whole) and of the flavors' default (rows in tiles)."""
+    """A chunk of the fused loss as training runs it (bf16 logits; 8,192 tokens at the embedded
+    tokenizer's vocabulary, rows kept whole; 1,024 at the flavors' default one, rows in tiles)."""
     logits, targets = _problem(8192 if V == 8192 else 1024, V, torch.bfloat16, ignore=(1, 2))
     loss, grad = ce_triton.ce_chunk(logits, targets, True)
     ref_loss, ref_grad = ce_chunk(logits.clone(), targets, True)

@@ -87,10 +87,14 @@ def test_the_fused_loss_sends_gpu_chunks_to_the_triton_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(parallelize, "ce_chunk_triton", lambda *a: calls.append(("triton", a)) or "triton")
     chunks = parallelize.LossChunks(lambda *a: calls.append(("cpu", a)) or "cpu")
-    gpu_logits = NS(is_cuda=True)
+    gpu_logits, cpu_logits = NS(is_cuda=True), NS(is_cuda=False)
     assert chunks(gpu_logits, "targets", True) == "triton"
-    assert chunks(NS(is_cuda=False), "targets", False) == "cpu"
-    assert calls == [("triton", (gpu_logits, "targets", True)), ("cpu", (calls[1][1][0], "targets", False))]
+    assert chunks(cpu_logits, "targets", False) == "cpu"
+    assert calls == [("triton", (gpu_logits, "targets", True)), ("cpu", (cpu_logits, "targets", False))]
+    model = NS(model_args=NS(fused_loss_chunk=8192), loss_chunk_fn=None)
+    job = NS(compile=NS(enable=True, components=["model", "loss"], backend="eager"))
+    assert parallelize.apply_loss_compile(model, job)
+    assert isinstance(model.loss_chunk_fn, parallelize.LossChunks)
 
 
 @pytest.mark.parametrize("units, sync_once, ranks, plan", [
