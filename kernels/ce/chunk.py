@@ -5,7 +5,7 @@ softmax − one-hot (zero on an ignored target), in fp32 and stored in the logit
 up to ``ROW_MAX`` entries is loaded once and kept in registers, so the logits are read once and
 the gradient written once, the least the work can move; longer rows are read twice (an online
 log-sum-exp over tiles, then the gradient tile by tile). Inductor's code for the reference reads
-the logits two to three times, in a reduction and then a pointwise kernel.
+the logits in two kernels, a reduction and then a pointwise one.
 
 No silent fallback: on CPU tensors outside Triton's interpreter (``TRITON_INTERPRET=1`` set
 before this module is imported), or without Triton, the call raises.
