@@ -21,8 +21,10 @@
 # default 240). Extra arguments go to every run. Every run: --debug.seed SEED, every step
 # logged, no checkpoints. On two GPUs A runs on GPU 0 and B on GPU 1, seed by seed side by side
 # (four seeds of 200-step hymo_small runs fit one 10-minute call that way); on one GPU (or CPU)
-# one after the other, or with SIDE_BY_SIDE=1 side by side on that one device (for the losses
-# only: the two runs share it, so their tokens/s mean nothing).
+# one after the other, or with SIDE_BY_SIDE=1 side by side on that one device, or with
+# SIDE_BY_SIDE=all every seed's two runs at once on it (a short run's wall time is mostly its
+# compile, which then overlaps; mind the device's memory). Both for the losses only: the runs
+# share the device, so their tokens/s mean nothing.
 #
 # For a bare GPU machine (scripts/gpu_env.sh): carry .whl/, data/brown/ and assets/tokenizer/;
 # results under $OUT when set, else outputs/ab_seeds. PACK=1 leaves two files there, table.txt
@@ -55,6 +57,7 @@ fi
 for name in "${A_NAME}" "${B_NAME}"; do  # labels become file names (logs, run folders)
     [[ "${name}" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "ab_seeds: bad label '${name}': use letters, digits, _ . -" >&2; exit 2; }
 done
+case "${SIDE_BY_SIDE:-0}" in 0 | 1 | all) ;; *) echo "ab_seeds: SIDE_BY_SIDE is 0, 1 or all, not '${SIDE_BY_SIDE}'" >&2; exit 2 ;; esac
 [ "${A_NAME}" != "${B_NAME}" ] || { echo "ab_seeds: A_NAME and B_NAME are both '${A_NAME}'" >&2; exit 2; }
 TREES=()
 for tree in "${A_TREE:-}" "${B_TREE:-}"; do
@@ -122,16 +125,23 @@ run() {  # run LABEL GPU SEED [overrides...]; LABEL names the log and the run fo
 }
 
 two_gpus=0 gpu_b=1
-if [ "${DRY:-0}" != 1 ] && [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ]; then
+if [ "${SIDE_BY_SIDE:-0}" = all ]; then
+    echo "ab_seeds: SIDE_BY_SIDE=all: every seed's A and B at once on one device; their tokens/s say nothing"
+elif [ "${DRY:-0}" != 1 ] && [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ]; then
     two_gpus=1
 elif [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
     two_gpus=1 gpu_b=0
     echo "ab_seeds: SIDE_BY_SIDE=1: A and B of each seed share one device; their tokens/s say nothing"
 fi
-labels=()
+labels=() pids=()
 for seed in ${SEEDS}; do
     a="${A_NAME}_s${seed}" b="${B_NAME}_s${seed}"
-    if [ "${two_gpus}" = 1 ]; then
+    if [ "${SIDE_BY_SIDE:-0}" = all ]; then
+        RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}
+        run "${a}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pids+=($!)
+        RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"}) RUN_TREE=${TREES[1]} RUN_PATH=${TREE_PATHS[1]}
+        run "${b}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" & pids+=($!)
+    elif [ "${two_gpus}" = 1 ]; then
         RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}
         run "${a}" 0 "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pid=$!
         RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"}) RUN_TREE=${TREES[1]} RUN_PATH=${TREE_PATHS[1]}
@@ -144,6 +154,9 @@ for seed in ${SEEDS}; do
         run "${b}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" || status=$?
     fi
     labels+=("${A_NAME}@${seed}=${RUN_DIR}/${a}" "${B_NAME}@${seed}=${RUN_DIR}/${b}")
+done
+for pid in ${pids[@]+"${pids[@]}"}; do
+    wait "${pid}" || status=$?
 done
 
 echo "================ ab_seeds: ${CONFIG}, ${STEPS} steps, seeds ${SEEDS} ================"

@@ -124,3 +124,31 @@ def test_side_by_side_on_one_device(tmp_path):
     assert "SIDE_BY_SIDE=1" in res.stdout and "p@4" in res.stdout and "q@4" in res.stdout
     times = {(kind, tag): float(t) for kind, tag, t in (line.split() for line in marker.read_text().splitlines())}
     assert times[("start", "b")] < times[("end", "a")] and times[("start", "a")] < times[("end", "b")], times
+
+
+def test_all_seeds_at_once_on_one_device(tmp_path):
+    # SIDE_BY_SIDE=all: both seeds' A and B at once, so every run starts before any run ends
+    marker = tmp_path / "marker"
+    pythonpath = with_sitecustomize(
+        tmp_path,
+        "import atexit, os, time\n"
+        "def _note(kind):\n"
+        f"    open({str(marker)!r}, 'a').write(f\"{{kind}} {{os.environ['AB_TAG']}} {{os.getpid()}} {{time.time()}}\\n\")\n"
+        "if 'AB_TAG' in os.environ and os.environ.get('LOCAL_RANK') == '0':\n"
+        "    _note('start')\n"
+        "    atexit.register(_note, 'end')\n")
+    res = run_script(tmp_path, STEPS="1", SEEDS="5 6", A_NAME="p", B_NAME="q", SIDE_BY_SIDE="all",
+                     A_ENV="AB_TAG=a", B_ENV="AB_TAG=b", PYTHONPATH=pythonpath)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "SIDE_BY_SIDE=all" in res.stdout and all(f"{s}@{n}" in res.stdout for s in "pq" for n in (5, 6))
+    notes = [line.split() for line in marker.read_text().splitlines()]
+    starts = [float(t) for kind, _, _, t in notes if kind == "start"]
+    ends = [float(t) for kind, _, _, t in notes if kind == "end"]
+    assert len(starts) == len(ends) == 4 and sorted(tag for kind, tag, _, _ in notes if kind == "start") == list("aabb")
+    assert max(starts) < min(ends), notes
+
+
+def test_side_by_side_takes_0_1_or_all(tmp_path):
+    res = run_script(tmp_path, SIDE_BY_SIDE="yes")
+    assert res.returncode == 2 and "SIDE_BY_SIDE is 0, 1 or all" in res.stderr
+    assert not (tmp_path / "runs").exists()
