@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from hymo_kernels.accum.add import ALIGN, accumulate_ as accumulate_triton
 from hymo_kernels.ce import ce_chunk
 from hymo_kernels.ce.chunk import ce_chunk as ce_chunk_triton
 from hymo_recipes.model.recompute import defer_to_outer_checkpoint
@@ -112,6 +113,10 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                                                     mesh.size()),
         units=units,
     )
+    if sync_once and getattr(hymo, "fsdp_accumulate_kernel", True):
+        apply_grad_accumulation(model)
+        logger.info("FSDP's gradient sums over a step's microbatches: one hymo_kernels.accum launch per unit "
+                    "where the gradients are CUDA tensors ([hymo] fsdp_accumulate_kernel)")
     logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s) ({units} units"
                 f"{', gradients reduced once per step' if sync_once else ''}), parameters in "
                 f"{training.mixed_precision_param}, reduction in {training.mixed_precision_reduce}")
@@ -166,6 +171,54 @@ def reshard_after_forward(policy: str, ranks: int) -> bool:
     if policy not in ("default", "always", "never"):
         raise ValueError(f"parallelism.fsdp_reshard_after_forward = {policy!r}: default, always or never")
     return policy == "always" or (policy == "default" and ranks > 1)
+
+
+def apply_grad_accumulation(model: nn.Module) -> None:
+    """Gradient accumulation with fsdp_sync_once_per_step in one launch per FSDP unit.
+
+    There, each microbatch of a step after the first adds every parameter's unsharded bf16
+    gradient into its fp32 sum, and FSDP2 does that with one PyTorch add per parameter (its
+    post-backward), whose mixed-dtype kernel loads and stores one element at a time. Here each
+    unit's post-backward first adds all of its CUDA pairs with hymo_kernels.accum (one Triton
+    launch, 16-byte loads; bitwise the same sums) and clears the added gradients, which leaves
+    FSDP's own loop nothing to add; pairs on other devices, or not contiguous and aligned, stay
+    with FSDP's loop."""
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        if group is None:  # a unit with no parameters of its own
+            continue
+        if not hasattr(group, "fsdp_params") or not hasattr(group, "post_backward"):
+            raise RuntimeError("apply_grad_accumulation: this torch's FSDP2 has no FSDPParamGroup.fsdp_params / "
+                               f"post_backward (torch {torch.__version__}); set [hymo] fsdp_sync_once_per_step = false")
+        group.post_backward = _accumulating_first(group, group.post_backward)
+
+
+ACCUMULATE_DEVICES = ("cuda",)  # where apply_grad_accumulation's kernel adds (the tests add "cpu": the interpreter)
+
+
+def _accumulating_first(group, post_backward):
+    def post_backward_accumulating(*args, **kwargs):
+        params, sums, grads = [], [], []
+        for fp in group.fsdp_params:
+            total = fp.unsharded_accumulated_grad
+            if total is None:  # the step's first microbatch: FSDP casts its gradient to the sum
+                continue
+            grad = fp.unsharded_param.grad
+            if (grad is not None and total.device.type in ACCUMULATE_DEVICES and grad.device == total.device and grad.is_contiguous()
+                    and total.is_contiguous() and not (grad.data_ptr() % ALIGN or total.data_ptr() % ALIGN)):
+                params.append(fp.unsharded_param)
+                sums.append(total)
+                grads.append(grad)
+        for dtype in {g.dtype for g in grads}:
+            pick = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            accumulate_triton([sums[i] for i in pick], [grads[i] for i in pick])
+        for param in params:
+            param.grad = None
+        return post_backward(*args, **kwargs)
+
+    return post_backward_accumulating
 
 
 def _check_supported(parallel_dims, job_config) -> None:

@@ -77,6 +77,21 @@ def check_access(kernel: str, op: str, ptrs: np.ndarray, mask: np.ndarray, items
                       f"outside its tensor arguments; the first, {first:#x}: {_describe(first, itemsize, extents)}")
 
 
+_INDIRECT: list[list[torch.Tensor]] = []  # tensors reached through loaded addresses (indirect())
+
+
+@contextlib.contextmanager
+def indirect(tensors):
+    """Tensors that the launches inside the block reach through addresses they load (a table of
+    pointers), not as arguments: inside bounds_checked() their extents count as every such
+    launch's own."""
+    _INDIRECT.append(list(tensors))
+    try:
+        yield
+    finally:
+        _INDIRECT.pop()
+
+
 @contextlib.contextmanager
 def bounds_checked():
     """Checks every interpreted launch inside the block (see the module docstring)."""
@@ -98,6 +113,7 @@ def bounds_checked():
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
         named = list(zip(self.arg_names, args_hst)) + list(kwargs_hst.items())
         extents = [tensor_extent(n, unwrap(a)) for n, a in named if hasattr(a, "data_ptr")]
+        extents += [tensor_extent(f"indirect[{i}]", t) for group in _INDIRECT for i, t in enumerate(group)]
         launch.update(kernel=self.fn.__name__, extents=[e for e in extents if e is not None])
         return args_hst, kwargs_hst
 

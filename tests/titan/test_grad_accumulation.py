@@ -1,0 +1,82 @@
+"""apply_grad_accumulation: FSDP2's per-parameter gradient accumulation (fsdp_sync_once_per_step)
+replaced by one hymo_kernels.accum launch per unit, on a 1-rank gloo mesh on CPU (the kernel in
+Triton's interpreter): the same gradients bitwise as FSDP's own loop, and the kernel did add them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+
+import hymo_recipes.titan.parallelize as par
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _model(mesh, units: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 8)))
+    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    if units == "block":
+        fully_shard(model[2], mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def _grads(model, microbatches: int):
+    """Gradients after one step of ``microbatches``, synced on the last only (the trainer's way)."""
+    g = torch.Generator().manual_seed(1)
+    for i in range(microbatches):
+        last = i == microbatches - 1
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        model(torch.randn(6, 24, generator=g)).square().mean().backward()
+    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("units", ["model", "block"])
+def test_the_same_gradients_as_fsdps_loop_added_by_the_kernel(one_rank, units, monkeypatch):
+    expected = _grads(_model(one_rank, units), 3)
+
+    calls = []
+    kernel = par.accumulate_triton
+
+    def counting(sums, grads):
+        calls.append(len(sums))
+        kernel(sums, grads)
+
+    monkeypatch.setattr(par, "ACCUMULATE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(par, "accumulate_triton", counting)
+    model = _model(one_rank, units)
+    par.apply_grad_accumulation(model)
+    got = _grads(model, 3)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # microbatches 2 and 3 of the step: every parameter of every unit added by the kernel
+    per_unit = [2, 4] if units == "block" else [6]
+    assert sorted(calls) == sorted(per_unit * 2), calls
+
+
+def test_off_the_kernels_devices_fsdps_loop_adds(one_rank, monkeypatch):
+    calls = []
+    monkeypatch.setattr(par, "accumulate_triton", lambda s, g: calls.append(s))
+    expected = _grads(_model(one_rank, "model"), 2)
+    model = _model(one_rank, "model")
+    par.apply_grad_accumulation(model)  # CPU tensors: not ACCUMULATE_DEVICES
+    got = _grads(model, 2)
+    assert not calls and all(torch.equal(got[n], expected[n]) for n in expected)
