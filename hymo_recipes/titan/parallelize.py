@@ -191,7 +191,7 @@ def apply_grad_accumulation(model: nn.Module) -> None:
             continue
         if not hasattr(group, "fsdp_params") or not hasattr(group, "post_backward"):
             raise RuntimeError("apply_grad_accumulation: this torch's FSDP2 has no FSDPParamGroup.fsdp_params / "
-                               f"post_backward (torch {torch.__version__}); set [hymo] fsdp_sync_once_per_step = false")
+                               f"post_backward (torch {torch.__version__}); set [hymo] fsdp_accumulate_kernel = false")
         group.post_backward = _accumulating_first(group, group.post_backward)
 
 
@@ -200,25 +200,34 @@ ACCUMULATE_DEVICES = ("cuda",)  # where apply_grad_accumulation's kernel adds (t
 
 def _accumulating_first(group, post_backward):
     def post_backward_accumulating(*args, **kwargs):
-        params, sums, grads = [], [], []
-        for fp in group.fsdp_params:
-            total = fp.unsharded_accumulated_grad
-            if total is None:  # the step's first microbatch: FSDP casts its gradient to the sum
-                continue
-            grad = fp.unsharded_param.grad
-            if (grad is not None and total.device.type in ACCUMULATE_DEVICES and grad.device == total.device and grad.is_contiguous()
-                    and total.is_contiguous() and not (grad.data_ptr() % ALIGN or total.data_ptr() % ALIGN)):
-                params.append(fp.unsharded_param)
-                sums.append(total)
-                grads.append(grad)
-        for dtype in {g.dtype for g in grads}:
-            pick = [i for i, g in enumerate(grads) if g.dtype == dtype]
-            accumulate_triton([sums[i] for i in pick], [grads[i] for i in pick])
-        for param in params:
-            param.grad = None
+        # a call of its own: the added gradients die with its frame, before FSDP's reduce-scatter
+        # (the step's last microbatch) allocates its buffers
+        _add_and_clear(group.fsdp_params)
         return post_backward(*args, **kwargs)
 
     return post_backward_accumulating
+
+
+def _add_and_clear(fsdp_params) -> None:
+    """Adds the unsharded gradients of ``fsdp_params`` into their fp32 sums with the kernel (one
+    launch per gradient dtype) and clears them; leaves those it cannot take to FSDP's loop."""
+    params, sums, grads = [], [], []
+    for fp in fsdp_params:
+        total = fp.unsharded_accumulated_grad
+        if total is None:  # the step's first microbatch: FSDP casts its gradient to the sum
+            continue
+        grad = fp.unsharded_param.grad
+        if (grad is not None and total.device.type in ACCUMULATE_DEVICES and grad.device == total.device
+                and grad.is_contiguous() and total.is_contiguous()
+                and not (grad.data_ptr() % ALIGN or total.data_ptr() % ALIGN)):
+            params.append(fp.unsharded_param)
+            sums.append(total)
+            grads.append(grad)
+    for dtype in {g.dtype for g in grads}:
+        pick = [i for i, g in enumerate(grads) if g.dtype == dtype]
+        accumulate_triton([sums[i] for i in pick], [grads[i] for i in pick])
+    for param in params:
+        param.grad = None
 
 
 def _check_supported(parallel_dims, job_config) -> None:

@@ -80,3 +80,25 @@ def test_off_the_kernels_devices_fsdps_loop_adds(one_rank, monkeypatch):
     par.apply_grad_accumulation(model)  # CPU tensors: not ACCUMULATE_DEVICES
     got = _grads(model, 2)
     assert not calls and all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_the_added_gradients_are_freed_before_fsdps_post_backward(monkeypatch):
+    # FSDP's post-backward then allocates its reduce-scatter buffers (the step's last microbatch):
+    # the hook must not keep the gradients it added alive through it
+    import weakref
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(par, "ACCUMULATE_DEVICES", ("cuda", "cpu"))
+    params = [nn.Parameter(torch.zeros(n, dtype=torch.float16)) for n in (64, 40)]
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    alive = [weakref.ref(p.grad) for p in params]
+    fsdp_params = [SimpleNamespace(unsharded_accumulated_grad=torch.ones(p.numel()), unsharded_param=p) for p in params]
+    seen = []
+    post_backward = par._accumulating_first(SimpleNamespace(fsdp_params=fsdp_params),
+                                            lambda: seen.append([ref() is not None for ref in alive]))
+    post_backward()
+    assert seen == [[False, False]]
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(fp.unsharded_accumulated_grad, torch.full((fp.unsharded_param.numel(),), 3.0))
+               for fp in fsdp_params)
