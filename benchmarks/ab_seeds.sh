@@ -138,9 +138,11 @@ for seed in ${SEEDS}; do
     a="${A_NAME}_s${seed}" b="${B_NAME}_s${seed}"
     if [ "${SIDE_BY_SIDE:-0}" = all ]; then
         RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}
-        run "${a}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pids+=($!)
+        one=${CUDA_VISIBLE_DEVICES:-0}
+        one=${one%%,*}  # the first visible device: every run on it
+        run "${a}" "${one}" "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pids+=($!)
         RUN_ENV=(${B_ENVV[@]+"${B_ENVV[@]}"}) RUN_TREE=${TREES[1]} RUN_PATH=${TREE_PATHS[1]}
-        run "${b}" "${CUDA_VISIBLE_DEVICES:-0}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" & pids+=($!)
+        run "${b}" "${one}" "${seed}" ${B_EXTRA[@]+"${B_EXTRA[@]}"} "$@" & pids+=($!)
     elif [ "${two_gpus}" = 1 ]; then
         RUN_ENV=(${A_ENVV[@]+"${A_ENVV[@]}"}) RUN_TREE=${TREES[0]} RUN_PATH=${TREE_PATHS[0]}
         run "${a}" 0 "${seed}" ${A_EXTRA[@]+"${A_EXTRA[@]}"} "$@" & pid=$!

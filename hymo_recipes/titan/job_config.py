@@ -101,10 +101,12 @@ class Hymo:
     in another order over the ranks (bitwise the same on one rank); no effect without
     accumulation. On by itself with fsdp_units = "auto" on one rank."""
     fsdp_accumulate_kernel: bool = True
-    """With fsdp_sync_once_per_step on a GPU, each microbatch's gradients are added into their
-    fp32 sums in one Triton launch per FSDP unit (hymo_kernels.accum; the same sums bitwise)
-    instead of FSDP2's one PyTorch add per parameter, whose mixed-dtype kernel moves one element
-    per load. Off: FSDP2's own adds."""
+    """Where gradients are reduced once per step (fsdp_sync_once_per_step, or fsdp_units =
+    "auto" on one rank) on a GPU, each microbatch's gradients are added into their fp32 sums
+    (training.mixed_precision_reduce = "float32", the default) in one Triton launch per FSDP unit
+    and gradient dtype (hymo_kernels.accum; the same sums bitwise) instead of FSDP2's one
+    PyTorch add per parameter, whose mixed-dtype kernel moves one element per load. Sums in
+    another dtype stay with FSDP2's adds (the log says so). Off: FSDP2's own adds."""
     data_prefetch: bool = True
     """Read and prepare each step's training batches (cut from the token stream, collated, their
     documents found, pinned for the copy to the GPU) on a background thread while the step

@@ -116,7 +116,7 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     if sync_once and getattr(hymo, "fsdp_accumulate_kernel", True):
         apply_grad_accumulation(model)
         logger.info("FSDP's gradient sums over a step's microbatches: one hymo_kernels.accum launch per unit "
-                    "where the gradients are CUDA tensors ([hymo] fsdp_accumulate_kernel)")
+                    "where the gradients are CUDA tensors and the sums fp32 ([hymo] fsdp_accumulate_kernel)")
     logger.info(f"Applied FSDP2 to the model on a mesh of {mesh.size()} rank(s) ({units} units"
                 f"{', gradients reduced once per step' if sync_once else ''}), parameters in "
                 f"{training.mixed_precision_param}, reduction in {training.mixed_precision_reduce}")
@@ -174,31 +174,42 @@ def reshard_after_forward(policy: str, ranks: int) -> bool:
 
 
 def apply_grad_accumulation(model: nn.Module) -> None:
-    """Gradient accumulation with fsdp_sync_once_per_step in one launch per FSDP unit.
+    """Gradient accumulation with gradients reduced once per step (fsdp_sync_once_per_step, or
+    "auto" on one rank) in one launch per FSDP unit.
 
     There, each microbatch of a step after the first adds every parameter's unsharded bf16
-    gradient into its fp32 sum, and FSDP2 does that with one PyTorch add per parameter (its
-    post-backward), whose mixed-dtype kernel loads and stores one element at a time. Here each
-    unit's post-backward first adds all of its CUDA pairs with hymo_kernels.accum (one Triton
-    launch, 16-byte loads; bitwise the same sums) and clears the added gradients, which leaves
-    FSDP's own loop nothing to add; pairs on other devices, or not contiguous and aligned, stay
-    with FSDP's loop."""
+    gradient into its sum in the reduction dtype, and FSDP2 does that with one PyTorch add per
+    parameter (its post-backward), whose mixed-dtype kernel loads and stores one element at a
+    time. Here each unit's post-backward first adds its pairs with hymo_kernels.accum (one
+    Triton launch per gradient dtype, 16-byte loads; bitwise the same sums) and clears the
+    added gradients, which leaves FSDP's own loop nothing to add. The kernel takes CUDA pairs
+    whose sum is fp32 (the configs' reduction dtype), contiguous and 16-byte aligned; FSDP's
+    loop adds any other pair, as before, and the log says so once."""
+    seen: set[int] = set()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-        if group is None:  # a unit with no parameters of its own
-            continue
-        if not hasattr(group, "fsdp_params") or not hasattr(group, "post_backward"):
-            raise RuntimeError("apply_grad_accumulation: this torch's FSDP2 has no FSDPParamGroup.fsdp_params / "
-                               f"post_backward (torch {torch.__version__}); set [hymo] fsdp_accumulate_kernel = false")
-        group.post_backward = _accumulating_first(group, group.post_backward)
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch versions with one parameter group per state
+            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            if not hasattr(group, "fsdp_params") or not hasattr(group, "post_backward"):
+                raise RuntimeError("apply_grad_accumulation: this torch's FSDP2 has no FSDPParamGroup.fsdp_params "
+                                   f"/ post_backward (torch {torch.__version__}); set [hymo] "
+                                   "fsdp_accumulate_kernel = false")
+            group.post_backward = _accumulating_first(group, group.post_backward)
 
 
 ACCUMULATE_DEVICES = ("cuda",)  # where apply_grad_accumulation's kernel adds (the tests add "cpu": the interpreter)
+_left_to_fsdp_logged = False
 
 
 def _accumulating_first(group, post_backward):
+    @torch._dynamo.disable  # like FSDP's own post-backward: host code, never traced
     def post_backward_accumulating(*args, **kwargs):
         # a call of its own: the added gradients die with its frame, before FSDP's reduce-scatter
         # (the step's last microbatch) allocates its buffers
@@ -210,24 +221,33 @@ def _accumulating_first(group, post_backward):
 
 def _add_and_clear(fsdp_params) -> None:
     """Adds the unsharded gradients of ``fsdp_params`` into their fp32 sums with the kernel (one
-    launch per gradient dtype) and clears them; leaves those it cannot take to FSDP's loop."""
-    params, sums, grads = [], [], []
+    launch per gradient dtype) and clears them; leaves the pairs it cannot take to FSDP's loop."""
+    global _left_to_fsdp_logged
+    params, sums, grads, left = [], [], [], []
     for fp in fsdp_params:
         total = fp.unsharded_accumulated_grad
         if total is None:  # the step's first microbatch: FSDP casts its gradient to the sum
             continue
         grad = fp.unsharded_param.grad
-        if (grad is not None and total.device.type in ACCUMULATE_DEVICES and grad.device == total.device
-                and grad.is_contiguous() and total.is_contiguous()
+        if grad is None or total.device.type not in ACCUMULATE_DEVICES:  # (the setup's log says where it adds)
+            continue
+        if (total.dtype == torch.float32 and grad.device == total.device and grad.is_contiguous() and total.is_contiguous()
                 and not (grad.data_ptr() % ALIGN or total.data_ptr() % ALIGN)):
             params.append(fp.unsharded_param)
             sums.append(total)
             grads.append(grad)
+        else:
+            left.append(f"{tuple(total.shape)} {total.dtype} += {grad.dtype} on {total.device}")
     for dtype in {g.dtype for g in grads}:
         pick = [i for i, g in enumerate(grads) if g.dtype == dtype]
         accumulate_triton([sums[i] for i in pick], [grads[i] for i in pick])
     for param in params:
         param.grad = None
+    if left and not _left_to_fsdp_logged:
+        _left_to_fsdp_logged = True
+        logger.info(f"[hymo] fsdp_accumulate_kernel: {len(left)} gradient sum(s) per microbatch left to FSDP2's own "
+                    f"adds (the kernel takes fp32 sums on {', '.join(ACCUMULATE_DEVICES)}, contiguous and 16-byte "
+                    f"aligned), e.g. {left[0]}")
 
 
 def _check_supported(parallel_dims, job_config) -> None:

@@ -1,4 +1,4 @@
-"""fp32 sums += gradients of any float dtype, every pair of a list in one Triton launch.
+"""fp32 sums += bf16, fp16 or fp32 gradients, every pair of a list in one Triton launch.
 
 The tensors are found through a table of their addresses: program p adds block p - first[i] of
 pair i, where first holds the pairs' first blocks (a prefix sum; p finds i by binary search).
@@ -58,7 +58,7 @@ def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
 
     Args:
         sums: fp32 tensors, contiguous, on one CUDA device (or any device in the interpreter).
-        grads: tensors of one float dtype, each contiguous and of its sum's number of elements.
+        grads: tensors of one dtype (bf16, fp16 or fp32), each contiguous and of its sum's number of elements.
     """
     if len(sums) != len(grads):
         raise ValueError(f"accumulate_: {len(sums)} sums and {len(grads)} gradients")
@@ -71,8 +71,9 @@ def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     if dtype not in _TL_DTYPES:
         raise TypeError(f"accumulate_: gradients in {dtype}: bf16, fp16 or fp32")
     for s, g in zip(sums, grads):
-        if s.dtype != torch.float32 or g.dtype != dtype or s.numel() != g.numel() or s.device != g.device:
-            raise ValueError(f"accumulate_: a pair that is not fp32 += {dtype} of one size on one device: "
+        if (s.dtype != torch.float32 or g.dtype != dtype or s.numel() != g.numel() or s.device != g.device
+                or s.device != sums[0].device):
+            raise ValueError(f"accumulate_: a pair that is not fp32 += {dtype} of one size on {sums[0].device}: "
                              f"{s.dtype} {tuple(s.shape)} on {s.device}, {g.dtype} {tuple(g.shape)} on {g.device}")
         if not (s.is_contiguous() and g.is_contiguous()) or s.data_ptr() % ALIGN or g.data_ptr() % ALIGN:
             raise ValueError("accumulate_: every tensor contiguous and 16-byte aligned (add_torch takes the rest)")

@@ -32,10 +32,24 @@ def test_every_pair_is_summed_bitwise_like_the_loop(dtype, monkeypatch):
     ref = [s.clone() for s in sums]
     accumulate_(ref, grads)
     before = [s.clone() for s in sums]
+    grads_before = [g.clone() for g in grads]
     accum_triton.accumulate_(sums, grads)
     for i, (s, r, b) in enumerate(zip(sums, ref, before)):
         assert torch.equal(s, r), (i, sizes[i])
         assert not torch.equal(s, b), i  # every pair was added to, its last block too
+    assert all(torch.equal(g, b) for g, b in zip(grads, grads_before))  # read, never written
+
+
+@pytest.mark.parametrize("sizes", [[40, 9], [16] * 8, [0, 20, 0, 33, 0], [5, 0]],
+                         ids=["two", "eight-whole", "empty-between", "empty-last"])
+def test_pair_counts_and_empty_tensors(sizes, monkeypatch):
+    # the binary search at a power-of-two count, and pairs of no block (found by no program)
+    monkeypatch.setattr(accum_triton, "BLOCK", 16)
+    sums, grads = _pairs(sizes, torch.float16, seed=len(sizes))
+    ref = [s.clone() for s in sums]
+    accumulate_(ref, grads)
+    accum_triton.accumulate_(sums, grads)
+    assert all(torch.equal(s, r) for s, r in zip(sums, ref))
 
 
 def test_one_pair_and_no_pair(monkeypatch):

@@ -27,10 +27,10 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def _model(mesh, units: str):
+def _model(mesh, units: str, reduce_dtype=torch.float32):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 8)))
-    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=reduce_dtype)
     if units == "block":
         fully_shard(model[2], mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -102,3 +102,19 @@ def test_the_added_gradients_are_freed_before_fsdps_post_backward(monkeypatch):
     assert all(p.grad is None for p in params)
     assert all(torch.equal(fp.unsharded_accumulated_grad, torch.full((fp.unsharded_param.numel(),), 3.0))
                for fp in fsdp_params)
+
+
+def test_sums_not_in_fp32_stay_with_fsdps_loop_and_the_log_says_so(one_rank, monkeypatch, caplog):
+    # fp16 parameters reduced in bf16: FSDP keeps its sums in bf16, which the kernel does not take
+    calls = []
+    monkeypatch.setattr(par, "ACCUMULATE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(par, "_left_to_fsdp_logged", False)
+    monkeypatch.setattr(par, "accumulate_triton", lambda s, g: calls.append(s))
+    expected = _grads(_model(one_rank, "model", torch.bfloat16), 3)
+    model = _model(one_rank, "model", torch.bfloat16)
+    par.apply_grad_accumulation(model)
+    with caplog.at_level("INFO"):
+        got = _grads(model, 3)
+    assert not calls and all(torch.equal(got[n], expected[n]) for n in expected)
+    said = [r.getMessage() for r in caplog.records if "left to FSDP2's own adds" in r.getMessage()]
+    assert len(said) == 1 and "6 gradient sum(s)" in said[0] and "torch.bfloat16 += torch.float16" in said[0], said
