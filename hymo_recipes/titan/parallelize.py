@@ -231,8 +231,8 @@ def _add_and_clear(fsdp_params) -> None:
         grad = fp.unsharded_param.grad
         if grad is None or total.device.type not in ACCUMULATE_DEVICES:  # (the setup's log says where it adds)
             continue
-        if (total.dtype == torch.float32 and grad.device == total.device and grad.is_contiguous() and total.is_contiguous()
-                and not (grad.data_ptr() % ALIGN or total.data_ptr() % ALIGN)):
+        if (total.dtype == torch.float32 and grad.device == total.device and grad.is_contiguous()
+                and total.is_contiguous() and not (grad.data_ptr() % ALIGN or total.data_ptr() % ALIGN)):
             params.append(fp.unsharded_param)
             sums.append(total)
             grads.append(grad)

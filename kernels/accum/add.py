@@ -83,6 +83,8 @@ def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     for b in blocks[:-1]:
         first.append(first[-1] + b)
     n = len(sums)
+    if first[-1] + blocks[-1] == 0:  # every tensor empty: nothing to launch
+        return
     table = torch.tensor([[s.data_ptr() for s in sums], [g.data_ptr() for g in grads], first, numel],
                          dtype=torch.int64, pin_memory=sums[0].is_cuda)
     table = table.to(sums[0].device, non_blocking=True)

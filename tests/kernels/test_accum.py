@@ -40,8 +40,8 @@ def test_every_pair_is_summed_bitwise_like_the_loop(dtype, monkeypatch):
     assert all(torch.equal(g, b) for g, b in zip(grads, grads_before))  # read, never written
 
 
-@pytest.mark.parametrize("sizes", [[40, 9], [16] * 8, [0, 20, 0, 33, 0], [5, 0]],
-                         ids=["two", "eight-whole", "empty-between", "empty-last"])
+@pytest.mark.parametrize("sizes", [[40, 9], [16] * 8, [0, 20, 0, 33, 0], [5, 0], [0, 0]],
+                         ids=["two", "eight-whole", "empty-between", "empty-last", "all-empty"])
 def test_pair_counts_and_empty_tensors(sizes, monkeypatch):
     # the binary search at a power-of-two count, and pairs of no block (found by no program)
     monkeypatch.setattr(accum_triton, "BLOCK", 16)
