@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from hymo_kernels.accum.add import ALIGN, accumulate_ as accumulate_triton
+from hymo_kernels.accum.add import accumulate_ as accumulate_triton, pair_refused
 from hymo_kernels.ce import ce_chunk
 from hymo_kernels.ce.chunk import ce_chunk as ce_chunk_triton
 from hymo_recipes.model.recompute import defer_to_outer_checkpoint
@@ -231,13 +231,13 @@ def _add_and_clear(fsdp_params) -> None:
         grad = fp.unsharded_param.grad
         if grad is None or total.device.type not in ACCUMULATE_DEVICES:  # (the setup's log says where it adds)
             continue
-        if (total.dtype == torch.float32 and grad.device == total.device and grad.is_contiguous()
-                and total.is_contiguous() and not (grad.data_ptr() % ALIGN or total.data_ptr() % ALIGN)):
+        why = pair_refused(total, grad)
+        if why is None:
             params.append(fp.unsharded_param)
             sums.append(total)
             grads.append(grad)
         else:
-            left.append(f"{tuple(total.shape)} {total.dtype} += {grad.dtype} on {total.device}")
+            left.append(why)
     for dtype in {g.dtype for g in grads}:
         pick = [i for i, g in enumerate(grads) if g.dtype == dtype]
         accumulate_triton([sums[i] for i in pick], [grads[i] for i in pick])
@@ -246,8 +246,7 @@ def _add_and_clear(fsdp_params) -> None:
     if left and not _left_to_fsdp_logged:
         _left_to_fsdp_logged = True
         logger.info(f"[hymo] fsdp_accumulate_kernel: {len(left)} gradient sum(s) per microbatch left to FSDP2's own "
-                    f"adds (the kernel takes fp32 sums on {', '.join(ACCUMULATE_DEVICES)}, contiguous and 16-byte "
-                    f"aligned), e.g. {left[0]}")
+                    f"adds, e.g. a pair that is {left[0]}")
 
 
 def _check_supported(parallel_dims, job_config) -> None:

@@ -53,6 +53,23 @@ if _TRITON_ERROR is None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def pair_refused(total: torch.Tensor, grad: torch.Tensor) -> str | None:
+    """Why the kernel cannot add ``grad`` into ``total`` (None: it can): it takes an fp32 sum and
+    a bf16, fp16 or fp32 gradient of as many elements on the sum's device, both contiguous and
+    16-byte aligned."""
+    if (total.dtype != torch.float32 or grad.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or total.numel() != grad.numel() or total.device != grad.device):
+        return _not_fp32_pair(total, grad, grad.dtype)
+    if not (total.is_contiguous() and grad.is_contiguous()) or total.data_ptr() % ALIGN or grad.data_ptr() % ALIGN:
+        return "not contiguous and 16-byte aligned (add_torch takes such pairs)"
+    return None
+
+
+def _not_fp32_pair(total: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> str:
+    return (f"not fp32 += {dtype} of one size on one device: {total.dtype} += {grad.dtype}, shapes "
+            f"{tuple(total.shape)} and {tuple(grad.shape)}, on {total.device} and {grad.device}")
+
+
 def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """sums[i] += grads[i] for every i, in place, in one launch.
 
@@ -71,12 +88,9 @@ def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     if dtype not in _TL_DTYPES:
         raise TypeError(f"accumulate_: gradients in {dtype}: bf16, fp16 or fp32")
     for s, g in zip(sums, grads):
-        if (s.dtype != torch.float32 or g.dtype != dtype or s.numel() != g.numel() or s.device != g.device
-                or s.device != sums[0].device):
-            raise ValueError(f"accumulate_: a pair that is not fp32 += {dtype} of one size on {sums[0].device}: "
-                             f"{s.dtype} {tuple(s.shape)} on {s.device}, {g.dtype} {tuple(g.shape)} on {g.device}")
-        if not (s.is_contiguous() and g.is_contiguous()) or s.data_ptr() % ALIGN or g.data_ptr() % ALIGN:
-            raise ValueError("accumulate_: every tensor contiguous and 16-byte aligned (add_torch takes the rest)")
+        same = g.dtype == dtype and s.device == sums[0].device  # one dtype, one device for the launch
+        if why := (pair_refused(s, g) if same else _not_fp32_pair(s, g, dtype)):
+            raise ValueError(f"accumulate_: a pair that is {why}")
     numel = [s.numel() for s in sums]
     blocks = [-(-k // BLOCK) for k in numel]
     first = [0]
