@@ -240,7 +240,7 @@ def _add_and_clear(fsdp_params) -> None:
             left.append(why)
     for dtype in {g.dtype for g in grads}:
         pick = [i for i, g in enumerate(grads) if g.dtype == dtype]
-        accumulate_triton([sums[i] for i in pick], [grads[i] for i in pick])
+        accumulate_triton([sums[i] for i in pick], [grads[i] for i in pick], checked=True)  # pair_refused above
     for param in params:
         param.grad = None
     if left and not _left_to_fsdp_logged:

@@ -70,12 +70,15 @@ def _not_fp32_pair(total: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) 
             f"{tuple(total.shape)} and {tuple(grad.shape)}, on {total.device} and {grad.device}")
 
 
-def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor], *, checked: bool = False) -> None:
     """sums[i] += grads[i] for every i, in place, in one launch.
 
     Args:
         sums: fp32 tensors, contiguous, on one CUDA device (or any device in the interpreter).
         grads: tensors of one dtype (bf16, fp16 or fp32), each contiguous and of its sum's number of elements.
+        checked: the caller has passed every pair through ``pair_refused`` (and the gradients
+            share one dtype, the sums one device), so the pairs are not checked again here.
+            Default: False.
     """
     if len(sums) != len(grads):
         raise ValueError(f"accumulate_: {len(sums)} sums and {len(grads)} gradients")
@@ -87,7 +90,7 @@ def accumulate_(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     dtype = grads[0].dtype
     if dtype not in _TL_DTYPES:
         raise TypeError(f"accumulate_: gradients in {dtype}: bf16, fp16 or fp32")
-    for s, g in zip(sums, grads):
+    for s, g in ([] if checked else zip(sums, grads)):
         same = g.dtype == dtype and s.device == sums[0].device  # one dtype, one device for the launch
         if why := (pair_refused(s, g) if same else _not_fp32_pair(s, g, dtype)):
             raise ValueError(f"accumulate_: a pair that is {why}")

@@ -55,9 +55,9 @@ def test_the_same_gradients_as_fsdps_loop_added_by_the_kernel(one_rank, units, m
     calls = []
     kernel = par.accumulate_triton
 
-    def counting(sums, grads):
+    def counting(sums, grads, **kwargs):
         calls.append(len(sums))
-        kernel(sums, grads)
+        kernel(sums, grads, **kwargs)
 
     monkeypatch.setattr(par, "ACCUMULATE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(par, "accumulate_triton", counting)
@@ -74,7 +74,7 @@ def test_the_same_gradients_as_fsdps_loop_added_by_the_kernel(one_rank, units, m
 
 def test_off_the_kernels_devices_fsdps_loop_adds(one_rank, monkeypatch):
     calls = []
-    monkeypatch.setattr(par, "accumulate_triton", lambda s, g: calls.append(s))
+    monkeypatch.setattr(par, "accumulate_triton", lambda s, g, **kwargs: calls.append(s))
     expected = _grads(_model(one_rank, "model"), 2)
     model = _model(one_rank, "model")
     par.apply_grad_accumulation(model)  # CPU tensors: not ACCUMULATE_DEVICES
@@ -109,7 +109,7 @@ def test_sums_not_in_fp32_stay_with_fsdps_loop_and_the_log_says_so(one_rank, mon
     calls = []
     monkeypatch.setattr(par, "ACCUMULATE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(par, "_left_to_fsdp_logged", False)
-    monkeypatch.setattr(par, "accumulate_triton", lambda s, g: calls.append(s))
+    monkeypatch.setattr(par, "accumulate_triton", lambda s, g, **kwargs: calls.append(s))
     expected = _grads(_model(one_rank, "model", torch.bfloat16), 3)
     model = _model(one_rank, "model", torch.bfloat16)
     par.apply_grad_accumulation(model)
