@@ -117,6 +117,55 @@ def test_short_conv_rows_loaded_ahead_change_nothing(ahead, W, L, lengths, monke
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("tile", [(8, 32, 1, 2), (32, 64, 4, 4)], ids=["8x32-runs2", "32x64-runs4"])
+@pytest.mark.parametrize("W, lengths", [(4, [5, 1, 2, 31]), (3, [2, 1, 36]), (2, None)],
+                         ids=["W4-packed", "W3-packed", "W2-causal"])
+def test_short_conv_shifted_tiles(tile, W, lengths, monkeypatch, nan_poison):
+    """The shifted-tile backward (BWD_KERNEL = "shift") gives the row walk's dx bit for bit in
+    fp32 and its dw to the order of the fp32 sums, over tiles and row runs of several programs
+    (T = 39 not a multiple of any), through the q/k/v and the one-tensor entry points; and both
+    match the float64 reference."""
+    from hymo_kernels.gdn import short_conv
+
+    torch.manual_seed(4)
+    T, Cs = 39, (24, 24, 40)
+    xs = [torch.randn(1, T, c + 8, device=DEV)[..., 4:4 + c] for c in Cs]
+    ws = [torch.randn(c, W, device=DEV) for c in Cs]
+    dys = [torch.randn(1, T, c, device=DEV) for c in Cs]
+    pos = positions_of(lengths).to(DEV) if lengths else None
+
+    def grads(kernel):
+        monkeypatch.setattr(short_conv, "BWD_KERNEL", kernel)
+        monkeypatch.setattr(short_conv, "BWD_SHIFT", tile)
+        return (*conv_silu_qkv_bwd(*xs, *ws, *dys, pos), *conv_silu_bwd(xs[2], ws[2], dys[2], pos))
+
+    rows, shift = grads("rows"), grads("shift")
+    for i in (0, 1, 2, 6):
+        assert torch.equal(shift[i], rows[i])
+    for i in (3, 4, 5, 7):
+        assert torch.allclose(shift[i], rows[i], rtol=1e-5, atol=1e-5)
+    for i in range(3):
+        xr, wr = xs[i].double().detach().requires_grad_(), ws[i].double().requires_grad_()
+        F.silu(short_causal_conv(xr, wr[:, None, :], pos)).backward(dys[i].double())
+        assert rel(shift[i], xr.grad) < 1e-6 and rel(shift[3 + i], wr.grad) < 1e-6
+
+
+def test_short_conv_shifted_tile_and_kernel_checked(monkeypatch):
+    """A shifted tile Triton cannot tile, or a backward kernel name not in BWD_KERNELS, is refused
+    with the bad value named."""
+    from hymo_kernels.gdn import short_conv
+
+    x, w, dy = torch.randn(1, 8, 32, device=DEV), torch.randn(32, 4, device=DEV), torch.randn(1, 8, 32, device=DEV)
+    monkeypatch.setattr(short_conv, "BWD_KERNEL", "shift")
+    for tile in [(0, 32, 1, 1), (16, 48, 1, 1), (16, 32, 3, 1), (16, 32, 1, 0)]:
+        monkeypatch.setattr(short_conv, "BWD_SHIFT", tile)
+        with pytest.raises(ValueError, match=r"shifted tile \(" + ", ".join(map(str, tile))):
+            conv_silu_bwd(x, w, dy)
+    monkeypatch.setattr(short_conv, "BWD_KERNEL", "tiles")
+    with pytest.raises(ValueError, match="BWD_KERNEL 'tiles'"):
+        conv_silu_bwd(x, w, dy)
+
+
 def test_short_conv_row_tiles_checked(monkeypatch):
     """A row tile with more rows loaded ahead than the walk carries, no rows, or channels Triton
     cannot tile is refused with the tile named."""
