@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 4), (32, 256, 2, 2)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")
     ap.add_argument("--bwd-shift", type=shift_tile, nargs="*",
-                    default=[(32, 64, 4, 4), (16, 128, 4, 8), (32, 128, 4, 4), (64, 64, 4, 2), (32, 64, 2, 4)],
+                    default=[(32, 64, 4, 4), (16, 128, 4, 8), (32, 128, 4, 4), (32, 128, 8, 4), (64, 64, 4, 2),
+                             (16, 64, 2, 8), (32, 256, 8, 2)],
                     help="ROWS,CHANNELS,WARPS,RUNS tiles of the shifted-tile backward to time")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s of the floor (default 4.3)")
     timing_args(ap)
