@@ -12,11 +12,12 @@ The input is what one 750m microbatch of 8 x 4,096 tokens hands the convs in tra
 ``--no-documents`` for one causal row), conv width 4. Rows, forward and backward (ms, the
 median of ``triton.testing.do_bench``; the host clock in the dry mode):
 
-- ``ours, one launch``: hymo_kernels.gdn.short_conv's ``conv_silu_qkv_fwd`` / ``_bwd`` (the fused
-  mixer's path, the three convs in one launch each way), and ``ours, three launches``;
+- ``ours, one launch``: hymo_kernels.gdn.short_conv's ``conv_silu_qkv_fwd`` / ``_bwd`` as shipped
+  (the fused mixer's path, the three convs in one launch each way, the shipped ``BWD_KERNEL``),
+  and ``ours, three launches``;
 - ``ours, forward rows L,BC,warps,ahead`` and ``ours, backward rows ...``: the one-launch forward
-  with each ``--fwd-rows`` tile and backward with each ``--bwd-rows`` tile (outputs checked
-  bitwise against the shipped tile's, dw to rounding);
+  with each ``--fwd-rows`` tile and the row-walking backward with each ``--bwd-rows`` tile
+  (outputs checked bitwise against the shipped tile's, dw to rounding);
 - ``ours, backward shift BT,BC,warps,runs``: the one-launch backward by the shifted-tile kernel
   (``short_conv.BWD_KERNEL = "shift"``) with each ``--bwd-shift`` tile (dx and dw checked against
   the shipped backward's to rounding; whether dx is bitwise the same is logged);
@@ -27,8 +28,9 @@ median of ``triton.testing.do_bench``; the host clock in the dry mode):
   dy read, dx written; three tensors, bf16) at ``--bandwidth`` TB/s (4.3: a device-to-device copy
   measured on an H200).
 
-The same outputs are checked first: ours against fla's (forward and input gradients, relative
-error) and both against the float64 reference of hymo_kernels.gdn.mixer_torch.
+The same outputs are checked first: ours (forward, and the backward's input and weight
+gradients) against the float64 reference of hymo_kernels.gdn.mixer_torch, and fla's forward
+against both.
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 4), (32, 256, 2, 2)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")
     ap.add_argument("--bwd-shift", type=shift_tile, nargs="*",
-                    default=[(32, 64, 4, 4), (16, 128, 4, 8), (32, 128, 4, 4), (32, 128, 8, 4), (64, 64, 4, 2),
-                             (16, 64, 2, 8), (32, 256, 8, 2)],
+                    default=[(16, 64, 4, 8), (8, 128, 4, 16), (16, 128, 8, 8), (32, 64, 8, 4), (16, 64, 4, 32),
+                             (32, 64, 4, 4), (16, 128, 4, 8)],
                     help="ROWS,CHANNELS,WARPS,RUNS tiles of the shifted-tile backward to time")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s of the floor (default 4.3)")
     timing_args(ap)
@@ -145,6 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         log("FAILED: ours does not compute the reference's conv")
         return 1
 
+    xr = [x.double().requires_grad_() for x in xs]
+    wr = [w.double().requires_grad_() for w in ws]
+    torch.autograd.backward([torch.nn.functional.silu(short_causal_conv(x, w[:, None, :], pos)) for x, w in zip(xr, wr)],
+                            [dy.double() for dy in dys])
+    err = max(rel_err(g, r.grad) for g, r in zip(short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos), xr + wr))
+    log(f"ours vs float64 reference: backward rel. error {err:.1e} (BWD_KERNEL {short_conv.BWD_KERNEL!r})")
+    if err > (2e-2 if dtype == torch.bfloat16 else 1e-5):
+        log("FAILED: ours does not compute the reference's gradients")
+        return 1
+    del xr, wr
+
     bench = timer(device, args.warmup_ms, args.rep_ms)
     shipped, shipped_fwd = short_conv.BWD_ROWS, short_conv.FWD_ROWS
     shipped_kernel, shipped_shift = short_conv.BWD_KERNEL, short_conv.BWD_SHIFT
@@ -153,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                  bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
     rows.append(("ours, three launches", bench(lambda: [short_conv.conv_silu_fwd(x, w, pos) for x, w in zip(xs, ws)]),
                  bench(lambda: [short_conv.conv_silu_bwd(x, w, dy, pos) for x, w, dy in zip(xs, ws, dys)])))
-    base = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
     try:
+        short_conv.BWD_KERNEL = "rows"  # the row walk's gradients: what every other backward is checked against
+        base = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
         for t in args.fwd_rows:
             short_conv.FWD_ROWS = t
             if not all(torch.equal(a, b) for a, b in zip(short_conv.conv_silu_qkv_fwd(*xs, *ws, pos), ours)):
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             got = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
             if not (all(torch.equal(a, b) for a, b in zip(got[:3], base[:3]))
                     and all(rel_err(a, b) < 1e-3 for a, b in zip(got[3:], base[3:]))):
-                log(f"FAILED: the backward with rows {t} differs from the shipped {shipped}")
+                log(f"FAILED: the backward with rows {t} differs from the rows {shipped}")
                 return 1
             rows.append((f"ours, backward rows {','.join(map(str, t))}", float("nan"),
                          bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
@@ -178,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             got = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
             err = max(rel_err(a, b) for a, b in zip(got, base))
             if err > 1e-3:
-                log(f"FAILED: the shifted-tile backward {t} differs from the shipped one (rel. error {err:.1e})")
+                log(f"FAILED: the shifted-tile backward {t} differs from the row walk's (rel. error {err:.1e})")
                 return 1
             log(f"shifted tile {t}: dx {'bitwise' if all(torch.equal(a, b) for a, b in zip(got[:3], base[:3])) else 'not bitwise'}"
-                f" the shipped backward's, max rel. error {err:.1e}")
+                f" the row walk's, max rel. error {err:.1e}")
             rows.append((f"ours, backward shift {','.join(map(str, t))}", float("nan"),
                          bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
     finally:

@@ -403,7 +403,7 @@ def _shifted_dz(x_base, dy_base, pos_ptr, t, r: tl.constexpr, T, stride_xt, stri
     um = u < T
     a0 = _shifted(x_base, t, r, T, stride_xt, cm)
     if HAS_POS:
-        p = tl.load(pos_ptr + u, mask=um, other=0).to(tl.int32)[:, None]
+        p = tl.load(pos_ptr + u[:, None], mask=um[:, None], other=0).to(tl.int32)
         z = w0 * a0 + tl.where(p >= 1, w1 * a1, 0.0) + tl.where(p >= 2, w2 * a2, 0.0) + \
             tl.where(p >= 3, w3 * a3, 0.0)
     else:
@@ -425,11 +425,12 @@ def _tap_dx(dx, dz, p, wr, r: tl.constexpr, HAS_POS: tl.constexpr):
 
 @triton.jit
 def _tap_dw(dw, dz, xs, p, j: tl.constexpr, HAS_POS: tl.constexpr):
-    """dw + Σ_t dz[t] x[t-j] over the rows whose document reaches back j rows."""
+    """dw + dz[t] x[t-j] (a [rows, channels] accumulator, summed over the rows once at the end)
+    where t's document reaches back j rows."""
     if HAS_POS:
-        return dw + tl.sum(tl.where(p >= j, dz * xs, 0.0), 0)
+        return dw + tl.where(p >= j, dz * xs, 0.0)
     else:
-        return dw + tl.sum(dz * xs, 0)
+        return dw + dz * xs
 
 
 @triton.jit
@@ -437,7 +438,8 @@ def _conv_bwd_shift(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_
                     stride_dyt, stride_dxb, stride_dxt, stride_dw, b, s, ic, W: tl.constexpr, BT: tl.constexpr,
                     BC: tl.constexpr, RUNS: tl.constexpr, HAS_POS: tl.constexpr):
     """dx and the dw partial of RUNS tiles of BT rows from s·RUNS·BT on and BC channels (W ≤ 4),
-    with no state carried from row to row: dx[t] = Σ_r w[W-1-r] dz[t + r] is summed from four
+    with no state carried from row to row (the dw products are summed over the rows once, after
+    the runs): dx[t] = Σ_r w[W-1-r] dz[t + r] is summed from four
     [BT, BC] tiles dz[t + r], r = 0..3, each recomputed elementwise from the x tiles shifted by
     r - 3 .. r (seven shifted loads of x and four of dy per tile; the rows the shifts share come
     from cache). Every load is a whole tile, none waits on a store, and no register carries a
@@ -449,10 +451,10 @@ def _conv_bwd_shift(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_
     x_base = x_ptr + b * stride_xb + c[None, :]
     dy_base = dy_ptr + b * stride_dyb + c[None, :]
     dx_base = dx_ptr + b * stride_dxb + c[None, :]
-    dw0 = tl.zeros([BC], dtype=tl.float32)
-    dw1 = tl.zeros([BC], dtype=tl.float32)
-    dw2 = tl.zeros([BC], dtype=tl.float32)
-    dw3 = tl.zeros([BC], dtype=tl.float32)
+    dw0 = tl.zeros([BT, BC], dtype=tl.float32)
+    dw1 = tl.zeros([BT, BC], dtype=tl.float32)
+    dw2 = tl.zeros([BT, BC], dtype=tl.float32)
+    dw3 = tl.zeros([BT, BC], dtype=tl.float32)
     for n in range(RUNS):
         t = (s * RUNS + n) * BT + tl.arange(0, BT)
         xm3 = _shifted(x_base, t, -3, T, stride_xt, cm)
@@ -460,7 +462,7 @@ def _conv_bwd_shift(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_
         xm1 = _shifted(x_base, t, -1, T, stride_xt, cm)
         dz, x0, p = _shifted_dz(x_base, dy_base, pos_ptr, t, 0, T, stride_xt, stride_dyt, cm, xm1, xm2, xm3,
                                 w0, w1, w2, w3, HAS_POS)
-        dw0 += tl.sum(dz * x0, 0)
+        dw0 += dz * x0
         dw1 = _tap_dw(dw1, dz, xm1, p, 1, HAS_POS)
         dw2 = _tap_dw(dw2, dz, xm2, p, 2, HAS_POS)
         dw3 = _tap_dw(dw3, dz, xm3, p, 3, HAS_POS)
@@ -477,13 +479,13 @@ def _conv_bwd_shift(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_
         tl.store(dx_base + t[:, None] * stride_dxt, dx.to(dx_ptr.dtype.element_ty),
                  mask=(t < T)[:, None] & cm[None, :])
     dw_base = dw_ptr + ((b * tl.num_programs(1) + s) * W) * stride_dw + c
-    tl.store(dw_base + (W - 1) * stride_dw, dw0, mask=cm)
+    tl.store(dw_base + (W - 1) * stride_dw, tl.sum(dw0, 0), mask=cm)
     if W >= 2:
-        tl.store(dw_base + (W - 2) * stride_dw, dw1, mask=cm)
+        tl.store(dw_base + (W - 2) * stride_dw, tl.sum(dw1, 0), mask=cm)
     if W >= 3:
-        tl.store(dw_base + (W - 3) * stride_dw, dw2, mask=cm)
+        tl.store(dw_base + (W - 3) * stride_dw, tl.sum(dw2, 0), mask=cm)
     if W >= 4:
-        tl.store(dw_base + (W - 4) * stride_dw, dw3, mask=cm)
+        tl.store(dw_base + (W - 4) * stride_dw, tl.sum(dw3, 0), mask=cm)
 
 
 @triton.jit
@@ -523,7 +525,7 @@ ROWS_MAX_W = 4
 # shifted-tile kernel, BWD_SHIFT: rows per tile, channels, warps, tiles per program).
 BWD_KERNELS = ("rows", "shift")
 BWD_KERNEL = "rows"
-BWD_SHIFT = (32, 64, 4, 4)
+BWD_SHIFT = (16, 64, 4, 8)
 
 
 def _row_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -556,7 +558,8 @@ def _bwd_launch(xs, ws, dys, dxs, positions) -> torch.Tensor:
     B, T, _ = xs[0].shape
     if BWD_KERNEL == "shift":
         BT, BC, warps, runs = _shift_tile(BWD_SHIFT)
-        kernel, NT, tiles = _conv3_bwd_shift_kernel, triton.cdiv(T, BT * runs), dict(BT=BT, RUNS=runs)
+        # one stage: pipelining the run loop's loads would hold the next run's tiles in registers too
+        kernel, NT, tiles = _conv3_bwd_shift_kernel, triton.cdiv(T, BT * runs), dict(BT=BT, RUNS=runs, num_stages=1)
     else:
         L, BC, warps, ahead = _row_tile(BWD_ROWS)
         kernel, NT, tiles = _conv3_bwd_rows_kernel, triton.cdiv(T, L), dict(L=L, AHEAD=ahead)
