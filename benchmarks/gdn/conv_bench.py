@@ -4,7 +4,6 @@ flash-linear-attention's ``causal_conv1d`` and the memory floor, at the 750m tra
     python -m benchmarks.gdn.conv_bench                               # GPU: 32,768 packed tokens, 3 x 1280 channels
     python -m benchmarks.gdn.conv_bench --bwd-rows 16,256,4,1 32,256,4  # backward row tiles to try
     python -m benchmarks.gdn.conv_bench --fwd-rows 16,256,2,2 32,256,1  # forward row tiles to try
-    python -m benchmarks.gdn.conv_bench --bwd-shift 32,64,4,4 16,128,4,8  # shifted-tile backward tiles to try
     python -m benchmarks.gdn.conv_bench --dry                          # CPU: Triton's interpreter, a tiny shape
 
 The input is what one 750m microbatch of 8 x 4,096 tokens hands the convs in training: three
@@ -12,15 +11,11 @@ The input is what one 750m microbatch of 8 x 4,096 tokens hands the convs in tra
 ``--no-documents`` for one causal row), conv width 4. Rows, forward and backward (ms, the
 median of ``triton.testing.do_bench``; the host clock in the dry mode):
 
-- ``ours, one launch``: hymo_kernels.gdn.short_conv's ``conv_silu_qkv_fwd`` / ``_bwd`` as shipped
-  (the fused mixer's path, the three convs in one launch each way, the shipped ``BWD_KERNEL``),
-  and ``ours, three launches``;
+- ``ours, one launch``: hymo_kernels.gdn.short_conv's ``conv_silu_qkv_fwd`` / ``_bwd`` (the fused
+  mixer's path, the three convs in one launch each way), and ``ours, three launches``;
 - ``ours, forward rows L,BC,warps,ahead`` and ``ours, backward rows ...``: the one-launch forward
-  with each ``--fwd-rows`` tile and the row-walking backward with each ``--bwd-rows`` tile
-  (outputs checked bitwise against the shipped tile's, dw to rounding);
-- ``ours, backward shift BT,BC,warps,runs``: the one-launch backward by the shifted-tile kernel
-  (``short_conv.BWD_KERNEL = "shift"``) with each ``--bwd-shift`` tile (dx and dw checked against
-  the shipped backward's to rounding; whether dx is bitwise the same is logged);
+  with each ``--fwd-rows`` tile and backward with each ``--bwd-rows`` tile (outputs checked
+  bitwise against the shipped tile's, dw to rounding);
 - ``fla``: fla-core's ``causal_conv1d(x, w, activation="silu", cu_seqlens=...)`` three times
   (GPU only, when the package imports); its backward time is that of a forward with autograd
   recording plus the backward, less the plain forward's;
@@ -53,19 +48,6 @@ from hymo_recipes.model.model import positions_in_documents  # noqa: E402
 
 def log(msg: str) -> None:
     print(f"conv_bench: {msg}", flush=True)
-
-
-def shift_tile(spec: str) -> tuple[int, int, int, int]:
-    """ROWS,CHANNELS,WARPS,RUNS of the shifted-tile backward."""
-    parts = spec.split(",")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"a shifted tile is ROWS,CHANNELS,WARPS,RUNS (integers), got {spec!r}")
-    t = tuple(int(p) for p in parts)
-    try:
-        short_conv._shift_tile(t)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return t
 
 
 def tile(spec: str) -> tuple[int, int, int, int]:
@@ -105,14 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--channels", type=int, default=1280, help="C of each of q, k, v (750m: 40 heads x 32)")
     ap.add_argument("--no-documents", action="store_true", help="one causal row instead of packed documents")
     ap.add_argument("--bwd-rows", type=tile, nargs="*",
-                    default=[(16, 256, 4, 2), (16, 256, 4, 4), (32, 256, 4, 4)],
+                    default=[(16, 256, 4, 3), (16, 256, 4, 2), (16, 256, 4, 4), (32, 256, 4, 4)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch backward to time")
     ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 4), (32, 256, 2, 2)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")
-    ap.add_argument("--bwd-shift", type=shift_tile, nargs="*",
-                    default=[(16, 64, 4, 8), (8, 128, 4, 16), (16, 128, 8, 8), (32, 64, 8, 4), (16, 64, 4, 32),
-                             (32, 64, 4, 4), (16, 128, 4, 8)],
-                    help="ROWS,CHANNELS,WARPS,RUNS tiles of the shifted-tile backward to time")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s of the floor (default 4.3)")
     timing_args(ap)
     ap.add_argument("--dry", action="store_true", help="CPU: Triton's interpreter, T = 96, C = 32, documents of "
@@ -124,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--dry needs Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported)")
         args.tokens, args.channels = 96, 32
         args.bwd_rows = args.fwd_rows = [(16, 32, 1, 2), (32, 32, 1, 4)]
-        args.bwd_shift = [(16, 32, 1, 2)]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 is wrong
     T, C, W = args.tokens, args.channels, 4
     torch.manual_seed(0)
@@ -152,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.autograd.backward([torch.nn.functional.silu(short_causal_conv(x, w[:, None, :], pos)) for x, w in zip(xr, wr)],
                             [dy.double() for dy in dys])
     err = max(rel_err(g, r.grad) for g, r in zip(short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos), xr + wr))
-    log(f"ours vs float64 reference: backward rel. error {err:.1e} (BWD_KERNEL {short_conv.BWD_KERNEL!r})")
+    log(f"ours vs float64 reference: backward rel. error {err:.1e}")
     if err > (2e-2 if dtype == torch.bfloat16 else 1e-5):
         log("FAILED: ours does not compute the reference's gradients")
         return 1
@@ -160,15 +137,13 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = timer(device, args.warmup_ms, args.rep_ms)
     shipped, shipped_fwd = short_conv.BWD_ROWS, short_conv.FWD_ROWS
-    shipped_kernel, shipped_shift = short_conv.BWD_KERNEL, short_conv.BWD_SHIFT
     rows = Rows()
     rows.append(("ours, one launch", bench(lambda: short_conv.conv_silu_qkv_fwd(*xs, *ws, pos)),
                  bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
     rows.append(("ours, three launches", bench(lambda: [short_conv.conv_silu_fwd(x, w, pos) for x, w in zip(xs, ws)]),
                  bench(lambda: [short_conv.conv_silu_bwd(x, w, dy, pos) for x, w, dy in zip(xs, ws, dys)])))
+    base = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
     try:
-        short_conv.BWD_KERNEL = "rows"  # the row walk's gradients: what every other backward is checked against
-        base = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
         for t in args.fwd_rows:
             short_conv.FWD_ROWS = t
             if not all(torch.equal(a, b) for a, b in zip(short_conv.conv_silu_qkv_fwd(*xs, *ws, pos), ours)):
@@ -181,26 +156,12 @@ def main(argv: list[str] | None = None) -> int:
             got = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
             if not (all(torch.equal(a, b) for a, b in zip(got[:3], base[:3]))
                     and all(rel_err(a, b) < 1e-3 for a, b in zip(got[3:], base[3:]))):
-                log(f"FAILED: the backward with rows {t} differs from the rows {shipped}")
+                log(f"FAILED: the backward with rows {t} differs from the shipped {shipped}")
                 return 1
             rows.append((f"ours, backward rows {','.join(map(str, t))}", float("nan"),
                          bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
-        short_conv.BWD_ROWS = shipped
-        short_conv.BWD_KERNEL = "shift"
-        for t in args.bwd_shift:
-            short_conv.BWD_SHIFT = t
-            got = short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
-            err = max(rel_err(a, b) for a, b in zip(got, base))
-            if err > 1e-3:
-                log(f"FAILED: the shifted-tile backward {t} differs from the row walk's (rel. error {err:.1e})")
-                return 1
-            log(f"shifted tile {t}: dx {'bitwise' if all(torch.equal(a, b) for a, b in zip(got[:3], base[:3])) else 'not bitwise'}"
-                f" the row walk's, max rel. error {err:.1e}")
-            rows.append((f"ours, backward shift {','.join(map(str, t))}", float("nan"),
-                         bench(lambda: short_conv.conv_silu_qkv_bwd(*xs, *ws, *dys, pos))))
     finally:
         short_conv.BWD_ROWS, short_conv.FWD_ROWS = shipped, shipped_fwd
-        short_conv.BWD_KERNEL, short_conv.BWD_SHIFT = shipped_kernel, shipped_shift
 
     fla_conv = load_fla() if device == "cuda" else None
     if fla_conv is not None:

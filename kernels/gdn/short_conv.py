@@ -15,10 +15,7 @@ Two designs, chosen by W:
 - W ≤ 4 (HyMo's and fla's conv): the row-walking kernels. A program owns a strip of channels
   and a run of rows and takes one row at a time, the W - 1 neighbouring rows of x (and, in the
   backward, which walks the rows from last to first, the W - 1 later rows of dz) carried in
-  registers: every x and dy row is read once, plus W - 1 rows of halo per program. The backward
-  has a second kernel (``BWD_KERNEL = "shift"``): [rows, channels] tiles of dz at the four
-  row shifts dx needs, each recomputed elementwise from shifted loads of x and dy, so that no
-  row rides along in registers and every load is a whole tile (the overlap comes from cache).
+  registers: every x and dy row is read once, plus W - 1 rows of halo per program.
 - W > 4: the tile kernels. The backward forms dz over a [rows, channels] tile and gathers dx[t]
   from its W rows t..t+W-1 inside the same register tile; tiles overlap by the W - 1 rows two
   programs both need. At the 750m shape this backward takes twice the row-walking one's time
@@ -35,7 +32,7 @@ import triton.language as tl
 @triton.jit
 def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_yb, stride_yt,
                      W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
-    b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, it, ic = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # b · stride may pass 2³¹
     t = it * BT + tl.arange(0, BT)
     c = ic * BC + tl.arange(0, BC)
     tm, cm = t < T, c < C
@@ -66,7 +63,7 @@ def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, STEP, 
     w[W-1-r] dz[t + r] then reads rows of the same register tile (a gather along the rows)
     and dz never goes to memory. Neighbouring programs overlap by W - 1 rows of dz.
     """
-    b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, it, ic = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # b · stride may pass 2³¹
     i = tl.arange(0, BT)
     t = it * STEP + i
     c = ic * BC + tl.arange(0, BC)
@@ -178,6 +175,7 @@ def _conv_fwd_rows(x_ptr, w_ptr, y_ptr, pos_ptr, T, C, stride_xb, stride_xt, str
     issued before the previous rows' stores (which the compiler may not move them past: y could
     alias x) and can be in flight during that work; the same outputs for every AHEAD. The walk is
     unrolled: its compile time grows with L."""
+    b = b.to(tl.int64)  # b · stride may pass 2³¹
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels
@@ -306,6 +304,7 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
     z[u] needs besides x[u-3] kept in registers from the rows before, so each x and dy row is read
     once (plus the three rows of halo) and dz never goes to memory. The dw partial goes to row
     (b, s) of dw_ptr [rows, W, stride_dw]. AHEAD: as in _conv_fwd_rows."""
+    b = b.to(tl.int64)  # b · stride may pass 2³¹
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
     ct = c * 0  # a row index plus ct is a mask over the channels
@@ -365,13 +364,21 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
 
 
 @triton.jit
+def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
+                          stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr,
+                          BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
+    _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb, stride_dyt,
+                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC,
+                   HAS_POS, AHEAD)
+
+
+@triton.jit
 def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2, dw_ptr, pos_ptr, T, C0, C1, C2,
                            NB0, NB1, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1,
                            sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, W: tl.constexpr, L: tl.constexpr,
                            BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
-    """_conv_bwd_rows over up to three tensors in one launch (channel blocks as in
-    _conv3_fwd_rows_kernel; a tensor of width 0 gets none); the dw partials of all three side by
-    side in one [rows, W, C0 + C1 + C2]."""
+    """_conv_bwd_rows_kernel over three tensors in one launch (channel blocks as in
+    _conv3_fwd_rows_kernel); the dw partials of all three side by side in one [rows, W, C0 + C1 + C2]."""
     ic = tl.program_id(2)
     b, s = tl.program_id(0), tl.program_id(1)
     CT = C0 + C1 + C2
@@ -386,129 +393,6 @@ def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2,
                        b, s, ic - NB0 - NB1, W, L, BC, HAS_POS, AHEAD)
 
 
-@triton.jit
-def _shifted(x_base, t, s: tl.constexpr, T, stride_xt, cm):
-    """x[t + s] over the tile's rows, in fp32, zero outside [0, T)."""
-    u = t + s
-    return tl.load(x_base + u[:, None] * stride_xt, mask=((u >= 0) & (u < T))[:, None] & cm[None, :],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _shifted_dz(x_base, dy_base, pos_ptr, t, r: tl.constexpr, T, stride_xt, stride_dyt, cm, a1, a2, a3,
-                w0, w1, w2, w3, HAS_POS: tl.constexpr):
-    """dz[t + r] = dy[t + r] ⊙ silu'(z[t + r]) over the tile's rows, z from x[t + r] (loaded here)
-    and a1, a2, a3 = x[t + r - 1], x[t + r - 2], x[t + r - 3]. Returns (dz, x[t + r], pos[t + r])."""
-    u = t + r
-    um = u < T
-    a0 = _shifted(x_base, t, r, T, stride_xt, cm)
-    if HAS_POS:
-        p = tl.load(pos_ptr + u[:, None], mask=um[:, None], other=0).to(tl.int32)
-        z = w0 * a0 + tl.where(p >= 1, w1 * a1, 0.0) + tl.where(p >= 2, w2 * a2, 0.0) + \
-            tl.where(p >= 3, w3 * a3, 0.0)
-    else:
-        p = tl.zeros([1, 1], dtype=tl.int32)
-        z = w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3
-    dy = tl.load(dy_base + u[:, None] * stride_dyt, mask=um[:, None] & cm[None, :], other=0.0).to(tl.float32)
-    sig = tl.sigmoid(z)
-    return dy * sig * (1.0 + z * (1.0 - sig)), a0, p  # 0 on rows past T
-
-
-@triton.jit
-def _tap_dx(dx, dz, p, wr, r: tl.constexpr, HAS_POS: tl.constexpr):
-    """dx + w[W-1-r] dz[t + r] where x[t] is tap r of z[t + r] (t + r's document reaches back r rows)."""
-    if HAS_POS:
-        return dx + tl.where(p >= r, wr * dz, 0.0)
-    else:
-        return dx + wr * dz
-
-
-@triton.jit
-def _tap_dw(dw, dz, xs, p, j: tl.constexpr, HAS_POS: tl.constexpr):
-    """dw + dz[t] x[t-j] (a [rows, channels] accumulator, summed over the rows once at the end)
-    where t's document reaches back j rows."""
-    if HAS_POS:
-        return dw + tl.where(p >= j, dz * xs, 0.0)
-    else:
-        return dw + dz * xs
-
-
-@triton.jit
-def _conv_bwd_shift(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
-                    stride_dyt, stride_dxb, stride_dxt, stride_dw, b, s, ic, W: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, RUNS: tl.constexpr, HAS_POS: tl.constexpr):
-    """dx and the dw partial of RUNS tiles of BT rows from s·RUNS·BT on and BC channels (W ≤ 4),
-    with no state carried from row to row (the dw products are summed over the rows once, after
-    the runs): dx[t] = Σ_r w[W-1-r] dz[t + r] is summed from four
-    [BT, BC] tiles dz[t + r], r = 0..3, each recomputed elementwise from the x tiles shifted by
-    r - 3 .. r (seven shifted loads of x and four of dy per tile; the rows the shifts share come
-    from cache). Every load is a whole tile, none waits on a store, and no register carries a
-    rolling row. The dw partial goes to row (b, s) of dw_ptr [rows, W, stride_dw]."""
-    c = ic * BC + tl.arange(0, BC)
-    cm = c < C
-    w0, w1, w2, w3 = _taps(w_ptr, c, cm, W)
-    w0, w1, w2, w3 = w0[None, :], w1[None, :], w2[None, :], w3[None, :]
-    x_base = x_ptr + b * stride_xb + c[None, :]
-    dy_base = dy_ptr + b * stride_dyb + c[None, :]
-    dx_base = dx_ptr + b * stride_dxb + c[None, :]
-    dw0 = tl.zeros([BT, BC], dtype=tl.float32)
-    dw1 = tl.zeros([BT, BC], dtype=tl.float32)
-    dw2 = tl.zeros([BT, BC], dtype=tl.float32)
-    dw3 = tl.zeros([BT, BC], dtype=tl.float32)
-    for n in range(RUNS):
-        t = (s * RUNS + n) * BT + tl.arange(0, BT)
-        xm3 = _shifted(x_base, t, -3, T, stride_xt, cm)
-        xm2 = _shifted(x_base, t, -2, T, stride_xt, cm)
-        xm1 = _shifted(x_base, t, -1, T, stride_xt, cm)
-        dz, x0, p = _shifted_dz(x_base, dy_base, pos_ptr, t, 0, T, stride_xt, stride_dyt, cm, xm1, xm2, xm3,
-                                w0, w1, w2, w3, HAS_POS)
-        dw0 += dz * x0
-        dw1 = _tap_dw(dw1, dz, xm1, p, 1, HAS_POS)
-        dw2 = _tap_dw(dw2, dz, xm2, p, 2, HAS_POS)
-        dw3 = _tap_dw(dw3, dz, xm3, p, 3, HAS_POS)
-        dx = w0 * dz
-        dz, x1, p = _shifted_dz(x_base, dy_base, pos_ptr, t, 1, T, stride_xt, stride_dyt, cm, x0, xm1, xm2,
-                                w0, w1, w2, w3, HAS_POS)
-        dx = _tap_dx(dx, dz, p, w1, 1, HAS_POS)
-        dz, x2, p = _shifted_dz(x_base, dy_base, pos_ptr, t, 2, T, stride_xt, stride_dyt, cm, x1, x0, xm1,
-                                w0, w1, w2, w3, HAS_POS)
-        dx = _tap_dx(dx, dz, p, w2, 2, HAS_POS)
-        dz, _, p = _shifted_dz(x_base, dy_base, pos_ptr, t, 3, T, stride_xt, stride_dyt, cm, x2, x1, x0,
-                               w0, w1, w2, w3, HAS_POS)
-        dx = _tap_dx(dx, dz, p, w3, 3, HAS_POS)
-        tl.store(dx_base + t[:, None] * stride_dxt, dx.to(dx_ptr.dtype.element_ty),
-                 mask=(t < T)[:, None] & cm[None, :])
-    dw_base = dw_ptr + ((b * tl.num_programs(1) + s) * W) * stride_dw + c
-    tl.store(dw_base + (W - 1) * stride_dw, tl.sum(dw0, 0), mask=cm)
-    if W >= 2:
-        tl.store(dw_base + (W - 2) * stride_dw, tl.sum(dw1, 0), mask=cm)
-    if W >= 3:
-        tl.store(dw_base + (W - 3) * stride_dw, tl.sum(dw2, 0), mask=cm)
-    if W >= 4:
-        tl.store(dw_base + (W - 4) * stride_dw, tl.sum(dw3, 0), mask=cm)
-
-
-@triton.jit
-def _conv3_bwd_shift_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2, dw_ptr, pos_ptr, T, C0, C1, C2,
-                            NB0, NB1, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, sxb1, sxt1, sdyb1, sdyt1, sdxb1,
-                            sdxt1, sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, W: tl.constexpr, BT: tl.constexpr,
-                            BC: tl.constexpr, RUNS: tl.constexpr, HAS_POS: tl.constexpr):
-    """_conv_bwd_shift over up to three tensors in one launch (channel blocks and dw partials as
-    in _conv3_bwd_rows_kernel)."""
-    ic = tl.program_id(2)
-    b, s = tl.program_id(0), tl.program_id(1)
-    CT = C0 + C1 + C2
-    if ic < NB0:
-        _conv_bwd_shift(x0, w0, dy0, dx0, dw_ptr, pos_ptr, T, C0, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, CT, b, s,
-                        ic, W, BT, BC, RUNS, HAS_POS)
-    elif ic < NB0 + NB1:
-        _conv_bwd_shift(x1, w1, dy1, dx1, dw_ptr + C0, pos_ptr, T, C1, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1, CT,
-                        b, s, ic - NB0, W, BT, BC, RUNS, HAS_POS)
-    else:
-        _conv_bwd_shift(x2, w2, dy2, dx2, dw_ptr + C0 + C1, pos_ptr, T, C2, sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2,
-                        CT, b, s, ic - NB0 - NB1, W, BT, BC, RUNS, HAS_POS)
-
-
 # (rows, channels, warps) per program of the forward and of the backward (whose rows include the
 # W - 1 it shares with the next program), from sweeps at the 750m shape on an H200; what each
 # sweep found: benchmarks/HISTORY.md
@@ -521,11 +405,6 @@ BWD_TILE = (64, 32, 4)
 FWD_ROWS = (16, 256, 2, 2)
 BWD_ROWS = (16, 256, 4, 3)
 ROWS_MAX_W = 4
-# The backward for W <= ROWS_MAX_W: "rows" (the row-walking kernel, BWD_ROWS) or "shift" (the
-# shifted-tile kernel, BWD_SHIFT: rows per tile, channels, warps, tiles per program).
-BWD_KERNELS = ("rows", "shift")
-BWD_KERNEL = "rows"
-BWD_SHIFT = (16, 64, 4, 8)
 
 
 def _row_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -535,43 +414,6 @@ def _row_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         raise ValueError(f"short_conv: row tile {tile}: rows positive, channels and warps powers of two, rows loaded "
                          f"ahead 0-4")
     return tile
-
-
-def _shift_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """A shifted tile (rows, channels, warps, tiles per program), checked."""
-    BT, BC, warps, runs = tile
-    if any(v < 1 or v & (v - 1) for v in (BT, BC, warps)) or runs < 1:
-        raise ValueError(f"short_conv: shifted tile {tile}: rows, channels and warps powers of two, tiles per "
-                         f"program positive")
-    return tile
-
-
-def _bwd_launch(xs, ws, dys, dxs, positions) -> torch.Tensor:
-    """dx of one to three tensors (W <= ROWS_MAX_W) into dxs by the BWD_KERNEL design, in one
-    launch; returns the dw partials [rows, W, ΣC] (fp32) for the caller to sum."""
-    if BWD_KERNEL not in BWD_KERNELS:
-        raise ValueError(f"short_conv: BWD_KERNEL {BWD_KERNEL!r}; choose one of {BWD_KERNELS}")
-    n = len(xs)
-    Cs = [x.shape[2] for x in xs] + [0] * (3 - n)
-    xs, ws, dys, dxs = (tuple(a) + (a[0],) * (3 - n) for a in (xs, ws, dys, dxs))
-    W = ws[0].shape[1]
-    B, T, _ = xs[0].shape
-    if BWD_KERNEL == "shift":
-        BT, BC, warps, runs = _shift_tile(BWD_SHIFT)
-        # one stage: pipelining the run loop's loads would hold the next run's tiles in registers too
-        kernel, NT, tiles = _conv3_bwd_shift_kernel, triton.cdiv(T, BT * runs), dict(BT=BT, RUNS=runs, num_stages=1)
-    else:
-        L, BC, warps, ahead = _row_tile(BWD_ROWS)
-        kernel, NT, tiles = _conv3_bwd_rows_kernel, triton.cdiv(T, L), dict(L=L, AHEAD=ahead)
-    nb = [triton.cdiv(c, BC) for c in Cs]
-    dw_part = torch.empty(B * NT, W, sum(Cs), dtype=torch.float32, device=xs[0].device)
-    strides = [v for x, dy, dx in zip(xs, dys, dxs)
-               for v in (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1))]
-    kernel[(B, NT, sum(nb))](
-        xs[0], ws[0], dys[0], dxs[0], xs[1], ws[1], dys[1], dxs[1], xs[2], ws[2], dys[2], dxs[2], dw_part,
-        positions if positions is not None else xs[0], T, *Cs, nb[0], nb[1], *strides, W=W, BC=BC,
-        HAS_POS=positions is not None, num_warps=warps, **tiles)
-    return dw_part
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
@@ -610,7 +452,12 @@ def conv_silu_bwd(x, w, dy, positions=None):
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x
     if W <= ROWS_MAX_W:
-        dw_part = _bwd_launch((x,), (w,), (dy,), (dx,), positions)
+        L, BC, warps, ahead = _row_tile(BWD_ROWS)
+        NT = triton.cdiv(T, L)
+        dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
+        _conv_bwd_rows_kernel[(B, NT, triton.cdiv(C, BC))](
+            x, w, dy, dx, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
+            dx.stride(1), W=W, L=L, BC=BC, HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
         return dx, dw_part.sum(0).t().contiguous().to(w.dtype)
     BT, BC, warps = BWD_TILE
     while BT < 2 * W:  # at least W rows per program besides the shared ones
@@ -672,12 +519,22 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None, 
         grads = [conv_silu_bwd(x, w, dy, positions) for x, w, dy in zip(xs, ws, dys)]
         dxs = tuple(g[0] for g in grads) if out is None else tuple(o.copy_(g[0]) for o, g in zip(out, grads))
         return (*dxs, *(g[1] for g in grads))
+    W = wq.shape[1]
     B, T, _ = q_in.shape
     dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
     dxs = tuple(out) if out is not None else tuple(
         torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
+    L, BC, warps, ahead = _row_tile(BWD_ROWS)
+    NT = triton.cdiv(T, L)
     Cs = [x.shape[2] for x in xs]
-    dw_part = _bwd_launch(xs, ws, dys, dxs, positions)
+    nb = [triton.cdiv(c, BC) for c in Cs]
+    dw_part = torch.empty(B * NT, W, sum(Cs), dtype=torch.float32, device=q_in.device)
+    strides = [v for x, dy, dx in zip(xs, dys, dxs)
+               for v in (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1))]
+    _conv3_bwd_rows_kernel[(B, NT, sum(nb))](
+        q_in, wq, dys[0], dxs[0], k_in, wk, dys[1], dxs[1], v_in, wv, dys[2], dxs[2], dw_part,
+        positions if positions is not None else q_in, T, *Cs, nb[0], nb[1], *strides, W=W, L=L, BC=BC,
+        HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
     # one sum over the partials, then each weight's [C, W] its own contiguous tensor (the op's
     # outputs may not alias one another)
     dw = dw_part.sum(0).split(Cs, dim=1)
