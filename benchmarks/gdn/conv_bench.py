@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--channels", type=int, default=1280, help="C of each of q, k, v (750m: 40 heads x 32)")
     ap.add_argument("--no-documents", action="store_true", help="one causal row instead of packed documents")
     ap.add_argument("--bwd-rows", type=tile, nargs="*",
-                    default=[(16, 256, 4, 3), (16, 256, 4, 2), (16, 256, 4, 4), (32, 256, 4, 4)],
+                    default=[(64, 256, 4, 4), (16, 256, 4, 3), (128, 256, 4, 4), (256, 256, 4, 4)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch backward to time")
     ap.add_argument("--fwd-rows", type=tile, nargs="*", default=[(16, 256, 2, 4), (32, 256, 2, 2)],
                     help="ROWS,CHANNELS,WARPS[,AHEAD] tiles of the one-launch forward to time")

@@ -233,13 +233,15 @@ def _conv3_fwd_rows_kernel(x0, w0, y0, x1, w1, y1, x2, w2, y2, pos_ptr, T, C0, C
 
 
 @triton.jit
-def _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_POS: tl.constexpr):
-    """What the backward's step at row u reads: x[u - 3] and dy[u] as stored (zero outside [0, T);
-    converted where they are used) and the in-document position of u (0 without positions)."""
-    xd = tl.load(x_base + (u - 3) * stride_xt, mask=cm & (ct + u >= 3) & (ct + u - 3 < T), other=0.0)
-    dy = tl.load(dy_base + u * stride_dyt, mask=cm & (ct + u < T) & (ct + u >= 0), other=0.0)
+def _bwd_row(x_base, dy_base, pos_ptr, u, lo, T, stride_xt, stride_dyt, cm, ct, HAS_POS: tl.constexpr):
+    """What the backward's step at row u reads: x[u - 3] and dy[u] as stored (zero outside [0, T),
+    and nothing read for a row u below lo, which no step of the program walks; converted where
+    they are used) and the in-document position of u (0 without positions)."""
+    xd = tl.load(x_base + (u - 3) * stride_xt, mask=cm & (ct + u >= 3) & (ct + u - 3 < T) & (ct + u >= lo),
+                 other=0.0)
+    dy = tl.load(dy_base + u * stride_dyt, mask=cm & (ct + u < T) & (ct + u >= 0) & (ct + u >= lo), other=0.0)
     if HAS_POS:
-        p = tl.load(pos_ptr + u, mask=(u < T) & (u >= 0), other=0).to(tl.int32)
+        p = tl.load(pos_ptr + u, mask=(u < T) & (u >= 0) & (u >= lo), other=0).to(tl.int32)
     else:
         p = tl.zeros([], dtype=tl.int32)
     return xd, dy, p
@@ -248,18 +250,20 @@ def _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_
 @triton.jit
 def _bwd_step(x_base, dy_base, dx_row0, pos_ptr, u, T, stride_xt, stride_dyt, stride_dxt, c, cm, ct, w0, w1, w2, w3,
               xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3,
-              pn3, xn4, dyn4, pn4, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, OWN: tl.constexpr,
+              pn3, xn4, dyn4, pn4, lo, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, OWN: tl.constexpr,
               LOAD: tl.constexpr):
     """The backward's step at row u (see _conv_bwd_rows): dz[u]; for an OWN row dx[u] stored and
     the dw sums advanced. Its rows come from the rows loaded ahead (or now, AHEAD 0), which move
-    up one, row u - AHEAD loaded into the last with LOAD. Returns the carried state."""
+    up one, row u - AHEAD loaded into the last with LOAD (nothing read below row lo). Returns the
+    carried state."""
     if AHEAD == 0:
-        xd, dy, p = _bwd_row(x_base, dy_base, pos_ptr, u, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+        xd, dy, p = _bwd_row(x_base, dy_base, pos_ptr, u, lo, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
     else:
         xd, dy, p = xn1, dyn1, pn1
         xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3 = xn2, dyn2, pn2, xn3, dyn3, pn3, xn4, dyn4, pn4
         if LOAD:
-            xl, dyl, pl = _bwd_row(x_base, dy_base, pos_ptr, u - AHEAD, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+            xl, dyl, pl = _bwd_row(x_base, dy_base, pos_ptr, u - AHEAD, lo, T, stride_xt, stride_dyt, cm, ct,
+                                   HAS_POS)
             if AHEAD == 1:
                 xn1, dyn1, pn1 = xl, dyl, pl
             elif AHEAD == 2:
@@ -296,14 +300,18 @@ def _bwd_step(x_base, dy_base, dx_row0, pos_ptr, u, T, stride_xt, stride_dyt, st
 
 @triton.jit
 def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
-                   stride_dyt, stride_dxb, stride_dxt, stride_dw, b, s, ic, W: tl.constexpr, L: tl.constexpr,
-                   BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
+                   stride_dyt, stride_dxb, stride_dxt, stride_dw, b, s, ic, runs, W: tl.constexpr, L: tl.constexpr,
+                   BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, RUN: tl.constexpr):
     """dx and the dw partial of the L rows from s·L on and BC channels (W ≤ 4), walking the rows
     backwards from the last one that reaches into them (s·L + L + 2): at row u, dz[u] = dy[u] ⊙
     silu'(z[u]) and dx[u] = Σ_r w[W-1-r] dz[u + r], the three later dz rows and the three x rows
     z[u] needs besides x[u-3] kept in registers from the rows before, so each x and dy row is read
-    once (plus the three rows of halo) and dz never goes to memory. The dw partial goes to row
-    (b, s) of dw_ptr [rows, W, stride_dw]. AHEAD: as in _conv_fwd_rows."""
+    once (plus the three rows of halo) and dz never goes to memory. The own rows are walked as a
+    loop over ``runs`` = L / RUN runs of RUN unrolled steps, everything carried from run to run
+    (one halo and one dw partial per L rows; the unrolled code, and so the compile time, grows
+    with RUN only). ``runs`` is a launch argument, not a constant: with a constant trip count
+    the compiler unrolls the loop and keeps each step's addresses live across it. The dw partial goes to row (b, s) of dw_ptr [rows, W, stride_dw]. AHEAD: as in
+    _conv_fwd_rows."""
     b = b.to(tl.int64)  # b · stride may pass 2³¹
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
@@ -334,25 +342,26 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
     dyn2, dyn3, dyn4 = dyn1, dyn1, dyn1
     pn1, pn2, pn3, pn4 = p1, p1, p1, p1
     if AHEAD >= 1:
-        xn1, dyn1, pn1 = _bwd_row(x_base, dy_base, pos_ptr, u0, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+        xn1, dyn1, pn1 = _bwd_row(x_base, dy_base, pos_ptr, u0, t0, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
     if AHEAD >= 2:
-        xn2, dyn2, pn2 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 1, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+        xn2, dyn2, pn2 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 1, t0, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
     if AHEAD >= 3:
-        xn3, dyn3, pn3 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 2, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+        xn3, dyn3, pn3 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 2, t0, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
     if AHEAD >= 4:
-        xn4, dyn4, pn4 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 3, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
+        xn4, dyn4, pn4 = _bwd_row(x_base, dy_base, pos_ptr, u0 - 3, t0, T, stride_xt, stride_dyt, cm, ct, HAS_POS)
     for n in tl.static_range(3):  # the halo: rows after the own ones, whose dz the last own rows read
         (xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3,
          xn4, dyn4, pn4) = _bwd_step(
             x_base, dy_base, dx_row0, pos_ptr, u0 - n, T, stride_xt, stride_dyt, stride_dxt, c, cm, ct, w0, w1, w2, w3,
             xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3,
-            xn4, dyn4, pn4, HAS_POS, AHEAD, False, n + AHEAD < L + 3)
-    for i in tl.static_range(L):  # the own rows, last first
-        (xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3, pn3,
-         xn4, dyn4, pn4) = _bwd_step(
-            x_base, dy_base, dx_row0, pos_ptr, t1 - 1 - i, T, stride_xt, stride_dyt, stride_dxt, c, cm, ct, w0, w1,
-            w2, w3, xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3,
-            dyn3, pn3, xn4, dyn4, pn4, HAS_POS, AHEAD, True, i + AHEAD < L)
+            xn4, dyn4, pn4, t0, HAS_POS, AHEAD, False, n + AHEAD < L + 3)
+    for r in tl.range(runs, num_stages=1):  # the own rows, last first (loaded ahead by hand: not pipelined)
+        for i in tl.static_range(RUN):
+            (xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2, dyn2, pn2, xn3, dyn3,
+             pn3, xn4, dyn4, pn4) = _bwd_step(
+                x_base, dy_base, dx_row0, pos_ptr, t1 - 1 - r * RUN - i, T, stride_xt, stride_dyt, stride_dxt, c, cm,
+                ct, w0, w1, w2, w3, xa, xb, xc, dz1, dz2, dz3, p1, p2, p3, dw0, dw1, dw2, dw3, xn1, dyn1, pn1, xn2,
+                dyn2, pn2, xn3, dyn3, pn3, xn4, dyn4, pn4, t0, HAS_POS, AHEAD, True, RUN < L or i + AHEAD < RUN)
     dw_base = dw_ptr + ((b * tl.num_programs(1) + s) * W) * stride_dw + c
     tl.store(dw_base + (W - 1) * stride_dw, dw0, mask=cm)
     if W >= 2:
@@ -365,18 +374,18 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
 
 @triton.jit
 def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
-                          stride_dyt, stride_dxb, stride_dxt, W: tl.constexpr, L: tl.constexpr,
-                          BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
+                          stride_dyt, stride_dxb, stride_dxt, runs, W: tl.constexpr, L: tl.constexpr,
+                          BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, RUN: tl.constexpr):
     _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb, stride_dyt,
-                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), W, L, BC,
-                   HAS_POS, AHEAD)
+                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), runs, W, L, BC,
+                   HAS_POS, AHEAD, RUN)
 
 
 @triton.jit
 def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2, dw_ptr, pos_ptr, T, C0, C1, C2,
                            NB0, NB1, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1,
-                           sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, W: tl.constexpr, L: tl.constexpr,
-                           BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr):
+                           sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, runs, W: tl.constexpr, L: tl.constexpr,
+                           BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, RUN: tl.constexpr):
     """_conv_bwd_rows_kernel over three tensors in one launch (channel blocks as in
     _conv3_fwd_rows_kernel); the dw partials of all three side by side in one [rows, W, C0 + C1 + C2]."""
     ic = tl.program_id(2)
@@ -384,13 +393,13 @@ def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2,
     CT = C0 + C1 + C2
     if ic < NB0:
         _conv_bwd_rows(x0, w0, dy0, dx0, dw_ptr, pos_ptr, T, C0, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, CT, b, s, ic,
-                       W, L, BC, HAS_POS, AHEAD)
+                       runs, W, L, BC, HAS_POS, AHEAD, RUN)
     elif ic < NB0 + NB1:
         _conv_bwd_rows(x1, w1, dy1, dx1, dw_ptr + C0, pos_ptr, T, C1, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1, CT, b, s,
-                       ic - NB0, W, L, BC, HAS_POS, AHEAD)
+                       ic - NB0, runs, W, L, BC, HAS_POS, AHEAD, RUN)
     else:
         _conv_bwd_rows(x2, w2, dy2, dx2, dw_ptr + C0 + C1, pos_ptr, T, C2, sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, CT,
-                       b, s, ic - NB0 - NB1, W, L, BC, HAS_POS, AHEAD)
+                       b, s, ic - NB0 - NB1, runs, W, L, BC, HAS_POS, AHEAD, RUN)
 
 
 # (rows, channels, warps) per program of the forward and of the backward (whose rows include the
@@ -400,10 +409,13 @@ FWD_TILE = (32, 128, 4)
 BWD_TILE = (64, 32, 4)
 # (rows, channels, warps, rows loaded ahead) per program of the row-walking kernels, used for
 # W <= ROWS_MAX_W (they carry at most three earlier taps in registers); from sweeps at the 750m
-# training shape (benchmarks.gdn.conv_bench; what each found: benchmarks/HISTORY.md). Runs of 32
-# rows walk faster backwards but take ~4x the compile time of 16 (the walk is unrolled).
+# training shape (benchmarks.gdn.conv_bench; what each found: benchmarks/HISTORY.md). The
+# backward walks its rows in unrolled runs of at most BWD_RUN (a runtime loop over the runs
+# carries everything from one to the next), so its compile time grows with BWD_RUN, not with
+# its rows per program (benchmarks.gdn.regs prints each kernel's compile time).
 FWD_ROWS = (16, 256, 2, 2)
-BWD_ROWS = (16, 256, 4, 3)
+BWD_ROWS = (64, 256, 4, 4)
+BWD_RUN = 8
 ROWS_MAX_W = 4
 
 
@@ -414,6 +426,17 @@ def _row_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         raise ValueError(f"short_conv: row tile {tile}: rows positive, channels and warps powers of two, rows loaded "
                          f"ahead 0-4")
     return tile
+
+
+def _bwd_row_tile() -> tuple[int, int, int, int, int]:
+    """BWD_ROWS checked, with the rows of its unrolled runs: (rows, channels, warps, rows loaded
+    ahead, rows per run)."""
+    L, BC, warps, ahead = _row_tile(BWD_ROWS)
+    run = min(L, BWD_RUN)
+    if L % run:
+        raise ValueError(f"short_conv: backward row tile {BWD_ROWS}: more than {BWD_RUN} rows must be a multiple of "
+                         f"{BWD_RUN} (the rows of one unrolled run)")
+    return L, BC, warps, ahead, run
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
@@ -452,12 +475,13 @@ def conv_silu_bwd(x, w, dy, positions=None):
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x
     if W <= ROWS_MAX_W:
-        L, BC, warps, ahead = _row_tile(BWD_ROWS)
+        L, BC, warps, ahead, run = _bwd_row_tile()
         NT = triton.cdiv(T, L)
         dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
         _conv_bwd_rows_kernel[(B, NT, triton.cdiv(C, BC))](
             x, w, dy, dx, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
-            dx.stride(1), W=W, L=L, BC=BC, HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
+            dx.stride(1), L // run, W=W, L=L, BC=BC, HAS_POS=positions is not None, AHEAD=ahead, RUN=run,
+            num_warps=warps)
         return dx, dw_part.sum(0).t().contiguous().to(w.dtype)
     BT, BC, warps = BWD_TILE
     while BT < 2 * W:  # at least W rows per program besides the shared ones
@@ -524,7 +548,7 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None, 
     dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
     dxs = tuple(out) if out is not None else tuple(
         torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
-    L, BC, warps, ahead = _row_tile(BWD_ROWS)
+    L, BC, warps, ahead, run = _bwd_row_tile()
     NT = triton.cdiv(T, L)
     Cs = [x.shape[2] for x in xs]
     nb = [triton.cdiv(c, BC) for c in Cs]
@@ -533,8 +557,8 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None, 
                for v in (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1))]
     _conv3_bwd_rows_kernel[(B, NT, sum(nb))](
         q_in, wq, dys[0], dxs[0], k_in, wk, dys[1], dxs[1], v_in, wv, dys[2], dxs[2], dw_part,
-        positions if positions is not None else q_in, T, *Cs, nb[0], nb[1], *strides, W=W, L=L, BC=BC,
-        HAS_POS=positions is not None, AHEAD=ahead, num_warps=warps)
+        positions if positions is not None else q_in, T, *Cs, nb[0], nb[1], *strides, L // run, W=W, L=L, BC=BC,
+        HAS_POS=positions is not None, AHEAD=ahead, RUN=run, num_warps=warps)
     # one sum over the partials, then each weight's [C, W] its own contiguous tensor (the op's
     # outputs may not alias one another)
     dw = dw_part.sum(0).split(Cs, dim=1)

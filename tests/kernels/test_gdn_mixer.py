@@ -117,6 +117,39 @@ def test_short_conv_rows_loaded_ahead_change_nothing(ahead, W, L, lengths, monke
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("lengths", [None, [5, 1, 2, 31]], ids=["causal", "packed"])
+def test_short_conv_backward_runs_change_nothing(lengths, monkeypatch, nan_poison):
+    """The backward walking a program's rows as a loop over runs (BWD_RUN rows unrolled each,
+    everything carried from run to run) gives bitwise the dx of one run per program and its dw
+    up to the order of the fp32 sum, with rows loaded ahead or not and with the sequence's end
+    inside a run; rows per program that are not a multiple of a run are refused."""
+    from hymo_kernels.gdn import short_conv
+
+    torch.manual_seed(4)
+    T, Cs = 39, (24, 24, 40)
+    xs = [torch.randn(1, T, c, device=DEV) for c in Cs]
+    ws = [torch.randn(c, 4, device=DEV) for c in Cs]
+    dys = [torch.randn(1, T, c, device=DEV) for c in Cs]
+    pos = positions_of(lengths).to(DEV) if lengths else None
+    monkeypatch.setattr(short_conv, "BWD_RUN", 4)
+
+    def grads(L, a):
+        monkeypatch.setattr(short_conv, "BWD_ROWS", (L, 32, 1, a))
+        return (*conv_silu_qkv_bwd(*xs, *ws, *dys, pos), *conv_silu_bwd(xs[0], ws[0], dys[0], pos))
+
+    for a in (0, 3):
+        one = grads(4, a)
+        for L in (8, 12):
+            runs = grads(L, a)
+            for i in (0, 1, 2, 6):  # dx
+                assert torch.equal(runs[i], one[i])
+            for i in (3, 4, 5, 7):  # dw
+                torch.testing.assert_close(runs[i], one[i], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(short_conv, "BWD_ROWS", (6, 32, 1, 0))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        conv_silu_qkv_bwd(*xs, *ws, *dys, pos)
+
+
 def test_short_conv_batch_offsets_past_int32(nan_poison):
     """A batch row that starts past 2³¹ elements (b · stride overflows int32; in training, B ≥ 19
     sequences of 32,768 tokens of the 3,840-wide q/k/v projection) is read and written at its own
