@@ -310,8 +310,8 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
     loop over ``runs`` = L / RUN runs of RUN unrolled steps, everything carried from run to run
     (one halo and one dw partial per L rows; the unrolled code, and so the compile time, grows
     with RUN only). ``runs`` is a launch argument, not a constant: with a constant trip count
-    the compiler unrolls the loop and keeps each step's addresses live across it. The dw partial goes to row (b, s) of dw_ptr [rows, W, stride_dw]. AHEAD: as in
-    _conv_fwd_rows."""
+    the compiler unrolls the loop and keeps each step's addresses live across it. The dw partial
+    goes to row (b, s) of dw_ptr [rows, W, stride_dw]. AHEAD: as in _conv_fwd_rows."""
     b = b.to(tl.int64)  # b · stride may pass 2³¹
     c = ic * BC + tl.arange(0, BC)
     cm = c < C
