@@ -373,21 +373,13 @@ def _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_x
 
 
 @triton.jit
-def _conv_bwd_rows_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb,
-                          stride_dyt, stride_dxb, stride_dxt, runs, W: tl.constexpr, L: tl.constexpr,
-                          BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, RUN: tl.constexpr):
-    _conv_bwd_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, pos_ptr, T, C, stride_xb, stride_xt, stride_dyb, stride_dyt,
-                   stride_dxb, stride_dxt, C, tl.program_id(0), tl.program_id(1), tl.program_id(2), runs, W, L, BC,
-                   HAS_POS, AHEAD, RUN)
-
-
-@triton.jit
 def _conv3_bwd_rows_kernel(x0, w0, dy0, dx0, x1, w1, dy1, dx1, x2, w2, dy2, dx2, dw_ptr, pos_ptr, T, C0, C1, C2,
                            NB0, NB1, sxb0, sxt0, sdyb0, sdyt0, sdxb0, sdxt0, sxb1, sxt1, sdyb1, sdyt1, sdxb1, sdxt1,
                            sxb2, sxt2, sdyb2, sdyt2, sdxb2, sdxt2, runs, W: tl.constexpr, L: tl.constexpr,
                            BC: tl.constexpr, HAS_POS: tl.constexpr, AHEAD: tl.constexpr, RUN: tl.constexpr):
-    """_conv_bwd_rows_kernel over three tensors in one launch (channel blocks as in
-    _conv3_fwd_rows_kernel); the dw partials of all three side by side in one [rows, W, C0 + C1 + C2]."""
+    """_conv_bwd_rows over up to three tensors in one launch (channel blocks as in
+    _conv3_fwd_rows_kernel; a tensor of width 0 gets none); the dw partials of all three side by
+    side in one [rows, W, C0 + C1 + C2]."""
     ic = tl.program_id(2)
     b, s = tl.program_id(0), tl.program_id(1)
     CT = C0 + C1 + C2
@@ -439,6 +431,28 @@ def _bwd_row_tile() -> tuple[int, int, int, int, int]:
     return L, BC, warps, ahead, run
 
 
+def _bwd_rows_launch(xs, ws, dys, dxs, positions) -> torch.Tensor:
+    """dx of one to three tensors (W <= ROWS_MAX_W, the same W and [B, T]) into dxs by the
+    row-walking backward, in one launch; returns the dw partials [rows, W, ΣC] (fp32) for the
+    caller to sum."""
+    n = len(xs)
+    Cs = [x.shape[2] for x in xs] + [0] * (3 - n)
+    xs, ws, dys, dxs = (tuple(a) + (a[0],) * (3 - n) for a in (xs, ws, dys, dxs))
+    W = ws[0].shape[1]
+    B, T, _ = xs[0].shape
+    L, BC, warps, ahead, run = _bwd_row_tile()
+    NT = triton.cdiv(T, L)
+    nb = [triton.cdiv(c, BC) for c in Cs]
+    dw_part = torch.empty(B * NT, W, sum(Cs), dtype=torch.float32, device=xs[0].device)
+    strides = [v for x, dy, dx in zip(xs, dys, dxs)
+               for v in (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1))]
+    _conv3_bwd_rows_kernel[(B, NT, sum(nb))](
+        xs[0], ws[0], dys[0], dxs[0], xs[1], ws[1], dys[1], dxs[1], xs[2], ws[2], dys[2], dxs[2], dw_part,
+        positions if positions is not None else xs[0], T, *Cs, nb[0], nb[1], *strides, L // run, W=W, L=L, BC=BC,
+        HAS_POS=positions is not None, AHEAD=ahead, RUN=run, num_warps=warps)
+    return dw_part
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None):
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"short_conv: x must be [B, T, C] with a contiguous last dim, got {tuple(x.shape)} "
@@ -475,13 +489,7 @@ def conv_silu_bwd(x, w, dy, positions=None):
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     pos = positions if positions is not None else x
     if W <= ROWS_MAX_W:
-        L, BC, warps, ahead, run = _bwd_row_tile()
-        NT = triton.cdiv(T, L)
-        dw_part = torch.empty(B * NT, W, C, dtype=torch.float32, device=x.device)
-        _conv_bwd_rows_kernel[(B, NT, triton.cdiv(C, BC))](
-            x, w, dy, dx, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0),
-            dx.stride(1), L // run, W=W, L=L, BC=BC, HAS_POS=positions is not None, AHEAD=ahead, RUN=run,
-            num_warps=warps)
+        dw_part = _bwd_rows_launch((x,), (w,), (dy,), (dx,), positions)
         return dx, dw_part.sum(0).t().contiguous().to(w.dtype)
     BT, BC, warps = BWD_TILE
     while BT < 2 * W:  # at least W rows per program besides the shared ones
@@ -543,22 +551,12 @@ def conv_silu_qkv_bwd(q_in, k_in, v_in, wq, wk, wv, dq, dk, dv, positions=None, 
         grads = [conv_silu_bwd(x, w, dy, positions) for x, w, dy in zip(xs, ws, dys)]
         dxs = tuple(g[0] for g in grads) if out is None else tuple(o.copy_(g[0]) for o, g in zip(out, grads))
         return (*dxs, *(g[1] for g in grads))
-    W = wq.shape[1]
     B, T, _ = q_in.shape
     dys = tuple(dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys)
     dxs = tuple(out) if out is not None else tuple(
         torch.empty(B, T, x.shape[2], dtype=x.dtype, device=x.device) for x in xs)
-    L, BC, warps, ahead, run = _bwd_row_tile()
-    NT = triton.cdiv(T, L)
+    dw_part = _bwd_rows_launch(xs, ws, dys, dxs, positions)
     Cs = [x.shape[2] for x in xs]
-    nb = [triton.cdiv(c, BC) for c in Cs]
-    dw_part = torch.empty(B * NT, W, sum(Cs), dtype=torch.float32, device=q_in.device)
-    strides = [v for x, dy, dx in zip(xs, dys, dxs)
-               for v in (x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1))]
-    _conv3_bwd_rows_kernel[(B, NT, sum(nb))](
-        q_in, wq, dys[0], dxs[0], k_in, wk, dys[1], dxs[1], v_in, wv, dys[2], dxs[2], dw_part,
-        positions if positions is not None else q_in, T, *Cs, nb[0], nb[1], *strides, L // run, W=W, L=L, BC=BC,
-        HAS_POS=positions is not None, AHEAD=ahead, RUN=run, num_warps=warps)
     # one sum over the partials, then each weight's [C, W] its own contiguous tensor (the op's
     # outputs may not alias one another)
     dw = dw_part.sum(0).split(Cs, dim=1)
