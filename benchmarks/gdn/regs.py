@@ -16,9 +16,12 @@ interpreter, compiles each for ``sm_<arch>`` with the installed Triton and reads
 the cuobjdump it ships. Printed per kernel: warps, stages, registers per thread, the local
 memory ("stack") and the local loads and stores in the SASS (spills), load and store
 instructions, the programs of the kernel an SM holds by its registers (and its 64 warps and 32
-programs), the SASS's instruction mix (all instructions, tensor-core MMAs, barriers, shared-memory
-loads and stores, shuffles: what a latency-bound chain of small dots spends its steps on) and the
-compile time (0 when Triton's cache has the kernel).
+programs), the SASS's instruction mix (all instructions, those of the longest loop's body, tensor-core
+MMAs, barriers, shared-memory loads and stores, shuffles: what a latency-bound chain of small dots
+spends its steps on) and the compile time (0 when Triton's cache has the kernel). The loop body's
+count times the iterations a launch runs, over the SMs' issue rate (four warp-instructions per
+cycle per SM), bounds the kernel's time from below where it is bound by instruction issue rather
+than by latency.
 
 The compiler that matters is the GPU image's: run it in an environment with that Triton (a
 virtual environment with the same ``triton==`` pin and a CPU torch is enough). Times are not
@@ -145,9 +148,20 @@ def sass_mix(sass: str) -> dict:
     and warp shuffles (SHFL). For a latency-bound kernel (a chain of small dots) the barriers and
     shared-memory round trips of its layout conversions are what a restructure has to cut; the
     counts are of the code, not of its execution (a loop body counts once)."""
-    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)", sass)
-    return dict(sass=len(opcodes), mma=opcodes.count("HMMA") + opcodes.count("HGMMA"), bar=opcodes.count("BAR"),
-                smem=sum(opcodes.count(o) for o in ("LDS", "STS", "LDSM", "STSM")), shfl=opcodes.count("SHFL"))
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)([^;]*);", sass)
+    opcodes = [op for _, op, _ in ins]
+    # the longest loop: the address range of a branch back to an earlier address (a loop's back
+    # edge; an outer loop's range holds its inner loops'). A pipelined loop's prologue repeats its
+    # loads outside it, so the whole kernel's count overstates what one iteration issues.
+    addrs = [int(a, 16) for a, _, _ in ins]
+    loop = 0
+    for addr, (_, op, args) in zip(addrs, ins):
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            loop = max(loop, sum(int(target.group(1), 16) <= a <= addr for a in addrs))
+    return dict(sass=len(opcodes), loop=loop, mma=opcodes.count("HMMA") + opcodes.count("HGMMA"),
+                bar=opcodes.count("BAR"), smem=sum(opcodes.count(o) for o in ("LDS", "STS", "LDSM", "STSM")),
+                shfl=opcodes.count("SHFL"))
 
 
 def programs_per_sm(regs: int, warps: int) -> int:
@@ -201,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                      launch["options"].get("num_stages", 3), res, programs_per_sm(res["regs"], warps)))
         print(f"regs: {launch['name']}: {res['regs']} registers, {res['seconds']:.1f} s", flush=True)
     print("\n| kernel | tiles | warps | stages | registers | stack B | spill ld/st | LDG | STG | programs/SM "
-          "(registers) | SASS | MMA | BAR | smem ld/st | SHFL | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(registers) | SASS | loop SASS | MMA | BAR | smem ld/st | SHFL | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, tiles, warps, stages, r, progs in rows:
         print(f"| {name} | {tiles} | {warps} | {stages} | {r['regs']} | {r['stack']} | {r['spills']} | {r['loads']} | "
-              f"{r['stores']} | {progs} | {r['sass']} | {r['mma']} | {r['bar']} | {r['smem']} | {r['shfl']} | "
+              f"{r['stores']} | {progs} | {r['sass']} | {r['loop']} | {r['mma']} | {r['bar']} | {r['smem']} | {r['shfl']} | "
               f"{r['seconds']:.1f} |")
     return 0
 

@@ -23,7 +23,7 @@ def run_regs(*args: str) -> list[dict]:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| _")]
     return [dict(name=r[0].strip(), tiles=r[1], warps=int(r[2]), regs=int(r[4]), stack=int(r[5]), sass=int(r[10]),
-                 mma=int(r[11]), bar=int(r[12]), smem=int(r[13]), shfl=int(r[14])) for r in rows]
+                 loop=int(r[11]), mma=int(r[12]), bar=int(r[13]), smem=int(r[14]), shfl=int(r[15])) for r in rows]
 
 
 def test_every_mixer_kernel_is_compiled_and_read():
@@ -36,6 +36,8 @@ def test_every_mixer_kernel_is_compiled_and_read():
     by_name = {r["name"]: r for r in rows}
     bwd, conv = by_name["_bwd_local_kernel"], by_name["_conv3_bwd_rows_kernel"]
     assert bwd["mma"] > 0 and bwd["bar"] > 0 and bwd["smem"] > 0 and bwd["sass"] > bwd["mma"] + bwd["bar"]
+    # the chunk kernels loop over sub-chunks, the inverse is one sub-chunk per program
+    assert 0 < bwd["loop"] < bwd["sass"] and by_name["_wy_inverse_kernel"]["loop"] == 0
     assert conv["mma"] == 0 and conv["sass"] > 0
 
 
@@ -53,7 +55,28 @@ def test_sass_mix_counts_opcodes_predicated_or_not():
         /*0070*/                   HMMA.16816.F32.BF16 R4, R8, R14, R4 ;  /* 0x0000000e0804723c */
         /*0080*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24 ;  /* 0x0000000004187de0 */
     """
-    assert sass_mix(sass) == dict(sass=9, mma=3, bar=1, smem=3, shfl=1)
+    assert sass_mix(sass) == dict(sass=9, loop=0, mma=3, bar=1, smem=3, shfl=1)
+
+
+def test_sass_mix_counts_the_longest_loop():
+    from benchmarks.gdn.regs import sass_mix
+
+    sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;  /* 0x0000000c0804723c */
+        /*0020*/                   FADD R6, R6, R7 ;                      /* 0x0000000706067221 */
+        /*0030*/               @P0 BRA 0x10 ;                             /* 0x0000000000000947 */
+        /*0040*/                   FMUL R6, R6, R7 ;                      /* 0x0000000706067220 */
+        /*0050*/                   FADD R6, R6, R7 ;                      /* 0x0000000706067221 */
+        /*0060*/               @P1 BRA 0x40 ;                             /* 0x0000000000000947 */
+        /*0070*/                   BRA 0x90 ;                             /* 0x0000000000000947 */
+        /*0080*/                   NOP ;                                  /* 0x0000000000000918 */
+        /*0090*/                   EXIT ;                                 /* 0x000000000000794d */
+    """
+    # two loops (0x10-0x30: 3 instructions, 0x40-0x60: 3); the forward branch is no loop
+    assert sass_mix(sass)["loop"] == 3
+    nested = sass.replace("@P1 BRA 0x40", "@P1 BRA 0x10")
+    assert sass_mix(nested)["loop"] == 6
 
 
 def test_a_register_cap_shows_and_spills():
