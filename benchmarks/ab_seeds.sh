@@ -18,8 +18,9 @@
 # OUT and RUN_DIR, is taken from the repository's root), A_NAME,
 # B_NAME (labels, default A and B: letters, digits, _ . -), SEEDS (default "1 2 3 4"), CONFIG
 # (default train_configs/hymo_small.toml), STEPS (default 200), RUN_TIMEOUT (seconds per run,
-# default 240). On the GPU every run takes 4 sequences a step (the history's comparisons did;
-# arguments after the script's name override it). Extra arguments go to every run. Every run: --debug.seed SEED, every step
+# default 240). With the default config on the GPU every run takes 4 sequences per GPU and step
+# (as the history's comparisons did; a --training.local_batch_size after the script's name
+# overrides it). Extra arguments go to every run. Every run: --debug.seed SEED, every step
 # logged, no checkpoints. On two GPUs A runs on GPU 0 and B on GPU 1, seed by seed side by side
 # (four seeds of 200-step hymo_small runs fit one 10-minute call that way); on one GPU (or CPU)
 # one after the other, or with SIDE_BY_SIDE=1 side by side on that one device, or with
@@ -52,10 +53,14 @@ if [ "${DRY:-0}" = 1 ]; then
     CONFIG=${CONFIG:-train_configs/debug_model.toml} STEPS=${STEPS:-4} SEEDS=${SEEDS:-1 2}
     EXTRA=(--validation.no-enable)
 else
+    EXTRA=()
+    if [ -z "${CONFIG:-}" ]; then
+        # the seed checks' batch: 4 sequences a step, as every 200-step comparison in HISTORY.md
+        # ran (hymo_small.toml's own batch, 32, is its throughput setting); a global batch of -1
+        # is one microbatch per step, so a later --training.local_batch_size alone overrides it
+        EXTRA=(--training.local_batch_size 4 --training.global_batch_size -1)
+    fi
     CONFIG=${CONFIG:-train_configs/hymo_small.toml} STEPS=${STEPS:-200} SEEDS=${SEEDS:-1 2 3 4}
-    # the seed checks' batch: 4 sequences a step, as every 200-step comparison in HISTORY.md ran
-    # (hymo_small.toml's own batch is its throughput setting, 32 x 4 sequences a step)
-    EXTRA=(--training.local_batch_size 4 --training.global_batch_size 4)
 fi
 for name in "${A_NAME}" "${B_NAME}"; do  # labels become file names (logs, run folders)
     [[ "${name}" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "ab_seeds: bad label '${name}': use letters, digits, _ . -" >&2; exit 2; }

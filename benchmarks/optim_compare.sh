@@ -5,7 +5,7 @@
 # 10 steps), tokens/s, and the optimizer step's time and share of the step time (HyMo's
 # container times its step with CUDA events, hymo_recipes/titan/optimizers.py StepTimer).
 #
-# Shape: the config's own, 4 x 4096 tokens per step, 200 steps = 3.3 M tokens, i.e. about 2.3
+# Shape: ab_seeds.sh's, 4 x 4096 tokens per step, 200 steps = 3.3 M tokens, i.e. about 2.3
 # passes over the embedded Brown Corpus train split (1.4 M tokens): a short-horizon comparison
 # on repeated data, one seed, untuned AdamW lr (the config's optimizer.lr, CautiousAdamW's; set
 # ADAMW_LR=... to try another). Schedule for both: HyMo's WSD (2% / 83% / 15%) over the 200

@@ -19,9 +19,10 @@ instructions, the programs of the kernel an SM holds by its registers (and its 6
 programs), the SASS's instruction mix (all instructions, those of the longest loop's body, tensor-core
 MMAs, barriers, shared-memory loads and stores, shuffles: what a latency-bound chain of small dots
 spends its steps on) and the compile time (0 when Triton's cache has the kernel). The loop body's
-count times the iterations a launch runs, over the SMs' issue rate (four warp-instructions per
-cycle per SM), bounds the kernel's time from below where it is bound by instruction issue rather
-than by latency.
+count (per warp) times the iterations a launch runs and its warps per program, over the SMs'
+issue rate (four warp-instructions per cycle per SM), bounds the kernel's time from below where
+it is bound by instruction issue rather than by latency (a loop the compiler unrolled holds
+several iterations per back edge).
 
 The compiler that matters is the GPU image's: run it in an environment with that Triton (a
 virtual environment with the same ``triton==`` pin and a CPU torch is enough). Times are not
@@ -143,12 +144,12 @@ def compile_one(launch: dict, arch: int, maxnreg: int = 0) -> dict:
 
 
 def sass_mix(sass: str) -> dict:
-    """Static instruction counts of a kernel's SASS: all, tensor-core MMAs (HMMA, and Hopper's
-    warpgroup HGMMA), CTA barriers (BAR), shared-memory loads and stores (LDS, STS, LDSM, STSM)
-    and warp shuffles (SHFL). For a latency-bound kernel (a chain of small dots) the barriers and
+    """Static instruction counts of a kernel's SASS: all, those of its longest loop's body (loop;
+    0 without a loop), tensor-core MMAs (HMMA, and Hopper's warpgroup HGMMA), CTA barriers (BAR),
+    shared-memory loads and stores (LDS, STS, LDSM, STSM) and warp shuffles (SHFL). For a latency-bound kernel (a chain of small dots) the barriers and
     shared-memory round trips of its layout conversions are what a restructure has to cut; the
     counts are of the code, not of its execution (a loop body counts once)."""
-    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)([^;]*);", sass)
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)([^;\n]*);", sass)
     opcodes = [op for _, op, _ in ins]
     # the longest loop: the address range of a branch back to an earlier address (a loop's back
     # edge; an outer loop's range holds its inner loops'). A pipelined loop's prologue repeats its

@@ -68,15 +68,19 @@ def test_sass_mix_counts_the_longest_loop():
         /*0030*/               @P0 BRA 0x10 ;                             /* 0x0000000000000947 */
         /*0040*/                   FMUL R6, R6, R7 ;                      /* 0x0000000706067220 */
         /*0050*/                   FADD R6, R6, R7 ;                      /* 0x0000000706067221 */
-        /*0060*/               @P1 BRA 0x40 ;                             /* 0x0000000000000947 */
+        /*0060*/              @!P1 BRA 0x40 ;                             /* 0x0000000000000947 */
         /*0070*/                   BRA 0x90 ;                             /* 0x0000000000000947 */
         /*0080*/                   NOP ;                                  /* 0x0000000000000918 */
         /*0090*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*00a0*/                   BRA 0xa0 ;                             /* 0x0000000000000947 */
     """
-    # two loops (0x10-0x30: 3 instructions, 0x40-0x60: 3); the forward branch is no loop
+    # two loops (0x10-0x30: 3 instructions, 0x40-0x60: 3); neither the forward branch nor the
+    # kernel's closing branch to itself is a loop
     assert sass_mix(sass)["loop"] == 3
-    nested = sass.replace("@P1 BRA 0x40", "@P1 BRA 0x10")
+    nested = sass.replace("@!P1 BRA 0x40", "@!P1 BRA 0x10")
     assert sass_mix(nested)["loop"] == 6
+    straight = "\n".join(line for line in sass.splitlines() if "BRA 0x10" not in line and "BRA 0x40" not in line)
+    assert sass_mix(straight)["loop"] == 0
 
 
 def test_a_register_cap_shows_and_spills():
