@@ -146,9 +146,10 @@ def compile_one(launch: dict, arch: int, maxnreg: int = 0) -> dict:
 def sass_mix(sass: str) -> dict:
     """Static instruction counts of a kernel's SASS: all, those of its longest loop's body (loop;
     0 without a loop), tensor-core MMAs (HMMA, and Hopper's warpgroup HGMMA), CTA barriers (BAR),
-    shared-memory loads and stores (LDS, STS, LDSM, STSM) and warp shuffles (SHFL). For a latency-bound kernel (a chain of small dots) the barriers and
-    shared-memory round trips of its layout conversions are what a restructure has to cut; the
-    counts are of the code, not of its execution (a loop body counts once)."""
+    shared-memory loads and stores (LDS, STS, LDSM, STSM) and warp shuffles (SHFL). For a
+    latency-bound kernel (a chain of small dots) the barriers and shared-memory round trips of its
+    layout conversions are what a restructure has to cut; the counts are of the code, not of its
+    execution (a loop body counts once)."""
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)([^;\n]*);", sass)
     opcodes = [op for _, op, _ in ins]
     # the longest loop: the address range of a branch back to an earlier address (a loop's back
@@ -157,9 +158,10 @@ def sass_mix(sass: str) -> dict:
     addrs = [int(a, 16) for a, _, _ in ins]
     loop = 0
     for addr, (_, op, args) in zip(addrs, ins):
-        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
-        if target and int(target.group(1), 16) < addr:
-            loop = max(loop, sum(int(target.group(1), 16) <= a <= addr for a in addrs))
+        m = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        target = int(m.group(1), 16) if m else addr
+        if target < addr:
+            loop = max(loop, sum(target <= a <= addr for a in addrs))
     return dict(sass=len(opcodes), loop=loop, mma=opcodes.count("HMMA") + opcodes.count("HGMMA"),
                 bar=opcodes.count("BAR"), smem=sum(opcodes.count(o) for o in ("LDS", "STS", "LDSM", "STSM")),
                 shfl=opcodes.count("SHFL"))
@@ -220,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, tiles, warps, stages, r, progs in rows:
         print(f"| {name} | {tiles} | {warps} | {stages} | {r['regs']} | {r['stack']} | {r['spills']} | {r['loads']} | "
-              f"{r['stores']} | {progs} | {r['sass']} | {r['loop']} | {r['mma']} | {r['bar']} | {r['smem']} | {r['shfl']} | "
-              f"{r['seconds']:.1f} |")
+              f"{r['stores']} | {progs} | {r['sass']} | {r['loop']} | {r['mma']} | {r['bar']} | {r['smem']} | "
+              f"{r['shfl']} | {r['seconds']:.1f} |")
     return 0
 
 
