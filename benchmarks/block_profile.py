@@ -18,7 +18,7 @@ allocated per token (its output included) and the backward's peak above that (GP
 GPU kernel's time per forward+backward (the gradients cleared after each, so no sums across
 iterations) with its launches and category
 (benchmarks.trace_breakdown's), the ``--top`` longest, and the totals by category. In the dry
-mode the rows are the CPU profiler's operators instead of kernels.
+mode the rows are the CPU profiler's operators (self time, calls) instead, without categories.
 """
 
 from __future__ import annotations
@@ -38,19 +38,28 @@ from benchmarks.trace_breakdown import categorize
 BLOCKS = ("gdn", "mla")
 
 
-def build(flavor: str, block: str, saves: str, device: str, dry: bool):
-    """(the block, its flavor's args, its layer id), weights initialised as training does."""
+def block_args(flavor: str, saves: str, dry: bool):
+    """The flavor's model args as training runs them here: the Triton backend (the CPU one in
+    the dry mode) and the given ``gdn_mixer_saves``."""
     from hymo_recipes.model.args import hymo_flavors
+
+    return dataclasses.replace(hymo_flavors[flavor], gdn_backend="torch_chunk" if dry else "triton",
+                               gdn_mixer_saves=saves)
+
+
+def first_layer(args, block: str) -> int | None:
+    """The first layer of that kind, or None if the flavor has none."""
+    mla = set(args.mla_layers)
+    return next((i for i in range(args.n_layers) if (i in mla) == (block == "mla")), None)
+
+
+def build(args, block: str, layer: int, device: str, dry: bool):
+    """The block, weights initialised as training does; bf16 but for A_log, dt_bias and the
+    buffers on the GPU."""
     from hymo_recipes.model.model import GDNBlock, MLABlock
 
-    args = dataclasses.replace(hymo_flavors[flavor], gdn_backend="torch_chunk" if dry else "triton",
-                               gdn_mixer_saves=saves)
-    mla = set(args.mla_layers)
-    ids = [i for i in range(args.n_layers) if (i in mla) == (block == "mla")]
-    if not ids:
-        raise ValueError(f"flavor {flavor!r} has no {block} block")
     torch.manual_seed(0)
-    m = (MLABlock if block == "mla" else GDNBlock)(ids[0], args).to(device)
+    m = (MLABlock if block == "mla" else GDNBlock)(layer, args).to(device)
     m.init_weights(buffer_device=torch.device(device))
     if not dry:
         m = m.to(torch.bfloat16)
@@ -60,7 +69,7 @@ def build(flavor: str, block: str, saves: str, device: str, dry: bool):
         for name, b in m.named_buffers():  # the MoE's load-balancing bias stays as training keeps it
             if b.is_floating_point():
                 b.data = b.data.float()
-    return m, args, ids[0]
+    return m
 
 
 def inputs(args, tokens: int, device: str, dtype: torch.dtype):
@@ -100,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if flavor not in hymo_flavors:
         ap.error(f"unknown flavor {flavor!r}; choose from {', '.join(sorted(hymo_flavors))}")
-    try:
-        block, margs, layer = build(flavor, args.block, args.saves, device, args.dry)
-    except ValueError as e:
-        ap.error(str(e))
+    margs = block_args(flavor, args.saves, args.dry)
+    layer = first_layer(margs, args.block)
+    if layer is None:
+        ap.error(f"flavor {flavor!r} has no {args.block} block")
+    block = build(margs, args.block, layer, device, args.dry)
     dtype = torch.float32 if args.dry else torch.bfloat16
     x, rope, cu, pos, mask, docs = inputs(margs, batch * seq, device, dtype)
     x.requires_grad_()
@@ -149,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         m0 = torch.cuda.memory_allocated()
         y = run(x, rope, cu, pos, mask)
         kept = torch.cuda.memory_allocated() - m0
+        torch.cuda.reset_peak_memory_stats()  # from here on the backward's peak alone
         y.backward(dy)
         del y
         x.grad = None
         for p in params:
             p.grad = None
         sync()
-        line += (f" kept KiB/token {kept / tokens / 1024:.2f} | backward's peak above the forward's "
+        line += (f" kept KiB/token {kept / tokens / 1024:.2f} | backward's peak above what the forward left "
                  f"{(torch.cuda.max_memory_allocated() - m0 - kept) / 2**20:.0f} MiB |")
     print(line)
 
@@ -179,11 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     for v in per.values():
         v[1] = round(v[1] / reps)
     total = sum(v[0] for v in per.values())
-    kind = "kernels" if device == "cuda" else "CPU operators (self time)"
-    print(f"{kind}: {total:.3f} ms per fwd+bwd, {sum(v[1] for v in per.values())} launches")
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])[:args.top]
+    if device != "cuda":  # the dry mode: the CPU profiler's operators, no kernel categories
+        print(f"CPU operators (self time): {total:.3f} ms per fwd+bwd")
+        print("| ms | share | calls | operator |\n|---|---|---|---|")
+        for name, (ms, n) in ranked:
+            print(f"| {ms:.4f} | {100 * ms / total:.1f} % | {n} | {name[:100]} |")
+        return 0
+    print(f"kernels: {total:.3f} ms per fwd+bwd, {sum(v[1] for v in per.values())} launches")
     print("| ms | share | launches | category | name |\n|---|---|---|---|---|")
-    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
-    for name, (ms, n) in ranked[:args.top]:
+    for name, (ms, n) in ranked:
         print(f"| {ms:.4f} | {100 * ms / total:.1f} % | {n} | {categorize(name)} | {name[:100]} |")
     cats = defaultdict(float)
     for name, (ms, _) in per.items():
