@@ -66,7 +66,7 @@ def build(args, block: str, layer: int, device: str, dry: bool):
         for name, p in m.named_parameters():
             if name.endswith(("A_log", "dt_bias")):
                 p.data = p.data.float()
-        for name, b in m.named_buffers():  # the MoE's load-balancing bias stays as training keeps it
+        for b in m.buffers():  # the MoE's load-balancing bias stays as training keeps it
             if b.is_floating_point():
                 b.data = b.data.float()
     return m
@@ -75,10 +75,11 @@ def build(args, block: str, layer: int, device: str, dry: bool):
 def inputs(args, tokens: int, device: str, dtype: torch.dtype):
     """(x [1, tokens, dim], rope cache, cu_seqlens, positions, attention mask, documents)."""
     from hymo_recipes.model.mla import document_attention_mask, precompute_rope_cache
+    from hymo_recipes.model.model import positions_in_documents
 
     lengths = document_lengths(tokens)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    pos = torch.cat([torch.arange(n, device=device) for n in lengths])
+    pos = positions_in_documents(cu, tokens)
     rope = precompute_rope_cache(args.qk_rope_head_dim, max(args.max_seq_len, tokens), args.rope_theta).to(device)
     x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype)
     return x, rope, cu, pos, document_attention_mask(pos) if args.mla_layers else None, len(lengths)
@@ -126,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
 
     params = list(block.parameters())
 
-    def step():
-        run(x, rope, cu, pos, mask).backward(dy)
-        x.grad = None  # no accumulation across iterations (in training FSDP sums the gradients)
+    def clear_grads():  # no accumulation across iterations (in training FSDP sums the gradients)
+        x.grad = None
         for p in params:
             p.grad = None
+
+    def step():
+        run(x, rope, cu, pos, mask).backward(dy)
+        clear_grads()
 
     def sync():
         if device == "cuda":
@@ -155,16 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     tokens = batch * seq
     line = f"| fwd+bwd ms | {statistics.median(times):.3f} |"
     if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
         y = run(x, rope, cu, pos, mask)
         kept = torch.cuda.memory_allocated() - m0
         torch.cuda.reset_peak_memory_stats()  # from here on the backward's peak alone
         y.backward(dy)
         del y
-        x.grad = None
-        for p in params:
-            p.grad = None
+        clear_grads()
         sync()
         line += (f" kept KiB/token {kept / tokens / 1024:.2f} | backward's peak above what the forward left "
                  f"{(torch.cuda.max_memory_allocated() - m0 - kept) / 2**20:.0f} MiB |")
