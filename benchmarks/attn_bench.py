@@ -24,7 +24,8 @@ eager flex attention at the recompile limit:
   KEY=VALUE; ``fwd_`` / ``bwd_`` prefixes address one direction's kernel, e.g. ``fwd_BLOCK_M``,
   ``bwd_BLOCK_N1``, ``bwd_num_stages``, ``USE_TMA``): what ``[hymo] mla_flex_options`` takes
   (an option flex cannot honour, e.g. ``USE_TMA`` on inputs TMA cannot load, falls back to the
-  defaults inside flex: such a row then times the defaults);
+  defaults inside flex: such a row then times the defaults); ``--options BACKEND=FLASH`` times
+  flash-attn-4's kernels in flex's place (the ``flash`` extra installed);
 - ``varlen_attn (FlashAttention 2)``: ``torch.nn.attention.varlen.varlen_attn`` on the packed
   [T, heads, d] layout with the documents' cumulative lengths (GPU, when torch has it; the KV
   groups expanded to the query heads where it has no GQA, that copy timed with it).

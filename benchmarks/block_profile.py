@@ -12,8 +12,9 @@ draw) with document masking, the GDN mixer with the configs' ``gdn_mixer_saves``
 A step's whole picture is benchmarks/step_profile.sh's; this is one block of it, cheap to rerun
 beside a change (one call, a few minutes).
 
-Prints the block's forward+backward time (median over ``--iters`` after ``--warmup``, CUDA
-events; the host clock in the dry mode, which says nothing), the bytes the forward leaves
+Prints the block's forward+backward time (on the GPU the mean of ``--iters`` run back to back
+after ``--warmup``, between two CUDA events; in the dry mode the median by the host clock, which
+says nothing), the bytes the forward leaves
 allocated per token (its output included) and the backward's peak above that (GPU), then each
 GPU kernel's time per forward+backward (the gradients cleared after each, so no sums across
 iterations) with its launches and category
@@ -143,21 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup):
         step()
     sync()
-    times = []
-    for _ in range(args.iters):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+    if device == "cuda":  # back to back, as a step queues its blocks: the host's launch gaps of one
+        # iteration overlap the GPU's work on the one before (a sync per iteration would count them)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(args.iters):
             step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
+        b.record()
+        b.synchronize()
+        ms = a.elapsed_time(b) / args.iters
+    else:
+        times = []
+        for _ in range(args.iters):
             t0 = time.perf_counter()
             step()
             times.append(1e3 * (time.perf_counter() - t0))
+        ms = statistics.median(times)
     tokens = batch * seq
-    line = f"| fwd+bwd ms | {statistics.median(times):.3f} |"
+    line = f"| fwd+bwd ms | {ms:.3f} |"
     if device == "cuda":
         m0 = torch.cuda.memory_allocated()
         y = run(x, rope, cu, pos, mask)

@@ -71,7 +71,8 @@ class HymoModelArgs:
     v_head_dim: int = 128
     rope_theta: float = 10_000.0
     # flex attention's kernel_options for the GPU's packed (document-masked) path, as
-    # KEY=VALUE[,KEY=VALUE...] (parse_flex_options); "": Inductor's defaults for the GPU
+    # KEY=VALUE[,KEY=VALUE...] (parse_flex_options); "": Inductor's defaults for the GPU;
+    # "BACKEND=FLASH": flash-attn-4's Hopper/Blackwell kernels instead of Triton's (the flash extra)
     mla_flex_options: str = ""
 
     # MoE (on MLA blocks)

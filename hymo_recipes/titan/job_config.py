@@ -58,8 +58,9 @@ class Hymo:
     "bwd_num_stages=2,USE_TMA=true" (``fwd_`` / ``bwd_`` keys address one direction's kernel; keys
     and value types, integer, true/false or a name, are checked against the installed torch's
     flex attention); "" for Inductor's defaults for the GPU, "flavor" to keep the flavor's (the
-    defaults in every shipped flavor). ``python -m benchmarks.attn_bench`` times choices at the
-    750m shape."""
+    defaults in every shipped flavor). "BACKEND=FLASH" runs flash-attn-4's kernels (CuTe DSL, for
+    Hopper and Blackwell) instead of Triton's: the ``flash`` extra, checked at startup; no
+    deterministic mode. ``python -m benchmarks.attn_bench`` times choices at the 750m shape."""
     fused_loss_chunk: int = -1
     """Training's readout and cross-entropy in chunks of this many tokens, each chunk's gradient
     taken in the forward (hymo_recipes/model/linear_ce.py): no head's [batch, seq, vocab] logits

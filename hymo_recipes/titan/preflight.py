@@ -9,7 +9,9 @@ forward, or at the first validation) or with an error that does not name the set
   goes into ``[hymo] vocab_size`` when that is 0 (the model args take it from there);
 - the model flavor exists, and its args accept this config (``HymoModelArgs.update_from_config``
   on a copy: sequence lengths, MTP depth, every ``[hymo]`` knob's value);
-- this machine can run the GDN backend (the Triton kernel needs a GPU);
+- this machine can run the GDN backend (the Triton kernel needs a GPU), and flex attention's
+  FLASH backend where ``mla_flex_options`` asks for it (flash-attn-4 installed; no deterministic
+  mode, which that backend lacks with HyMo's block mask);
 - document masking is asked of HyMo models only (another model's forward takes no document
   boundaries);
 - torch.compile is not asked of a backend that cannot be compiled (``parallelize``'s check);
@@ -82,6 +84,7 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         args.update_from_config(config)
         if this_machine:
             check_gdn_backend_runs(args.gdn_backend)
+            check_flash_attention(args.mla_flex_options, config.debug.deterministic)
             check_compile_backend(config, args.gdn_backend)
         check_optimizer_values(config.optimizer)
         wsd_schedule(config.lr_scheduler, config.training.steps)
@@ -125,6 +128,26 @@ def check_gdn_backend_runs(backend: str) -> None:
     if why := unavailable("cuda" if torch.cuda.is_available() else "cpu"):
         raise ValueError(f'gdn_backend "triton" {why}. Without a GPU use --hymo.gdn_backend torch_chunk '
                          "(and --compile.no-enable: that backend is not compiled)")
+
+
+def check_flash_attention(flex_options: str, deterministic: bool) -> None:
+    """Raises ValueError if ``mla_flex_options`` asks for flex attention's FLASH backend and
+    flash-attn-4's kernels do not import here, or the run is deterministic (that backend's
+    deterministic backward needs write-order metadata HyMo's block mask does not carry, and does
+    not exist on Hopper). Without the check, both fail only when the first MLA block compiles."""
+    from hymo_recipes.model.args import parse_flex_options
+
+    if parse_flex_options(flex_options).get("BACKEND") != "FLASH":
+        return
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import is the answer
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+        raise ValueError(f"mla_flex_options BACKEND=FLASH runs flash-attn-4's kernels, which do not import here "
+                         f'({why}): pip install -e ".[flash]", or drop BACKEND=FLASH') from None
+    if deterministic:
+        raise ValueError("mla_flex_options BACKEND=FLASH has no deterministic backward with HyMo's block mask: "
+                         "drop BACKEND=FLASH, or debug.deterministic")
 
 
 def _type_ok(value, hint) -> bool | None:

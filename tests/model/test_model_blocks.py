@@ -293,3 +293,39 @@ def test_mla_packed_documents_equal_separate_documents(tiny_args):
     packed = mla(x, rope, positions_in_documents(cu, 40))
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         torch.testing.assert_close(packed[:, s:e], mla(x[:, s:e], rope), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["", "BACKEND=FLASH"])
+def test_gpu_mla_flex_backends_match_dense_attention(spec):
+    """The 750m's MLA on packed documents, bf16: flex attention with its block mask (Triton's
+    kernels, or flash-attn-4's with BACKEND=FLASH where that is installed) against the dense
+    document mask through SDPA: outputs, the input's and every weight's gradients."""
+    import dataclasses
+
+    from hymo_recipes.model import hymo_flavors
+    from hymo_recipes.model.mla import document_attention_mask
+
+    if "FLASH" in spec:
+        pytest.importorskip("flash_attn.cute", reason="BACKEND=FLASH needs flash-attn-4 (the flash extra)")
+    args = dataclasses.replace(hymo_flavors["750m"], mla_flex_options=spec)
+    torch.manual_seed(0)
+    attn = MLA(args).cuda()
+    attn.init_weights(0.02, 0.02)
+    attn.bfloat16()
+    T = 1536
+    cu = torch.tensor([0, 700, 701, 1200, T], device="cuda")
+    positions = positions_in_documents(cu, T)
+    rope = precompute_rope_cache(args.qk_rope_head_dim, T, args.rope_theta).cuda()
+    x = torch.randn(1, T, args.dim, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    results = []
+    for mask in (document_attention_mask(positions), document_causal_mask(positions)):
+        xa = x.clone().requires_grad_()
+        y = attn(xa, rope, positions, attn_mask=mask)
+        attn.zero_grad()
+        y.backward(dy)
+        results.append([y.detach().float(), xa.grad.float()] + [p.grad.float() for p in attn.parameters()])
+    for got, want in zip(*results):
+        err = (got - want).norm() / want.norm()
+        assert err < 2e-2, f"relative error {err:.2e}"

@@ -71,6 +71,26 @@ def test_triton_backend_that_cannot_run_fails_before_the_trainer(monkeypatch):
     parse_config(small + ["--hymo.gdn_backend", "torch_chunk", "--compile.no-enable"])
 
 
+def test_flash_attention_backend_is_checked_before_the_trainer(monkeypatch):
+    """BACKEND=FLASH needs flash-attn-4's kernels importable and a run that is not deterministic;
+    without it the options are not looked at."""
+    import types
+
+    flash = DEBUG + ["--hymo.mla_flex_options", "BACKEND=FLASH"]
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import flash_attn.cute raises ImportError
+    with pytest.raises(SystemExit, match=r"hymo: invalid job config.*BACKEND=FLASH runs flash-attn-4's kernels, which "
+                                         r'do not import here \(\w*Error: .*\): pip install -e "\.\[flash\]"'):
+        parse_config(flash)
+    parse_config(DEBUG + ["--hymo.mla_flex_options", "bwd_num_stages=2"])  # another backend needs nothing
+    parent = types.ModuleType("flash_attn")
+    parent.cute = types.ModuleType("flash_attn.cute")
+    monkeypatch.setitem(sys.modules, "flash_attn", parent)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", parent.cute)
+    with pytest.raises(SystemExit, match="BACKEND=FLASH has no deterministic backward.*debug.deterministic"):
+        parse_config(flash)  # the debug model's config is deterministic
+    assert parse_config(flash + ["--debug.no-deterministic"]).hymo.mla_flex_options == "BACKEND=FLASH"
+
+
 def test_rope_table_reaches_the_validation_length():
     config = parse_config(DEBUG + ["--training.seq_len", "100"])
     assert config.validation.enable and config.validation.seq_len == 256
