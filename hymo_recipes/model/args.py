@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import typing
 from dataclasses import dataclass
 
 from hymo_kernels.gdn import BACKENDS, GDN_BWD_PATHS, GDN_DOT_PRECISIONS, GDN_MIXER_SAVES
@@ -261,6 +262,20 @@ def flex_option_types() -> dict[str, type]:
     return out
 
 
+@functools.cache
+def flex_option_choices() -> dict[str, tuple[str, ...]]:
+    """The kernel_options of this torch's flex attention that take one of a few names, and the
+    names (``BACKEND``: AUTO, TRITON, FLASH, TRITON_DECODE in torch 2.11); {} where torch has no
+    such table."""
+    try:
+        from torch.nn.attention.flex_attention import FlexKernelOptions
+
+        hints = typing.get_type_hints(FlexKernelOptions)
+    except Exception:  # noqa: BLE001 - no table, or one this Python cannot resolve: names unchecked
+        return {}
+    return {name: typing.get_args(h) for name, h in hints.items() if typing.get_origin(h) is typing.Literal}
+
+
 def parse_flex_options(spec: str) -> dict[str, int | bool | str]:
     """Flex attention's ``kernel_options`` from ``KEY=VALUE[,KEY=VALUE...]`` (the model arg
     ``mla_flex_options``; e.g. "bwd_num_stages=2,USE_TMA=true"); "" gives {} (Inductor's
@@ -277,6 +292,13 @@ def parse_flex_options(spec: str) -> dict[str, int | bool | str]:
         if known and base not in known:
             raise ValueError(f"mla_flex_options: {key!r} is not a flex attention option of this torch; its options "
                              f"are {', '.join(sorted(known))} (each may take a fwd_ or bwd_ prefix)")
+        if base in flex_option_choices():
+            if key != base:
+                raise ValueError(f"mla_flex_options: {base} applies to both directions: {key!r} takes no fwd_ or "
+                                 "bwd_ prefix")
+            if value not in flex_option_choices()[base]:
+                raise ValueError(f"mla_flex_options: {key} takes one of {', '.join(flex_option_choices()[base])}, "
+                                 f"got {value!r}")
         kind = known.get(base) or (bool if value.lower() in ("true", "false") else int if value.lstrip("-").isdigit()
                                    else str)
         if kind is bool and value.lower() in ("true", "false"):

@@ -53,7 +53,7 @@ POSITIVE = ("training.local_batch_size", "training.seq_len", "checkpoint.interva
 def check_job_config(config, *, this_machine: bool = True) -> None:
     """Every check of the module docstring. ``this_machine=False`` (the config check,
     check.py) leaves out the ones about the machine the check runs on: whether it can run the
-    GDN backend and compile it."""
+    GDN backend and compile it, and whether flash-attn-4 imports."""
     check_value_types(config)
     for name in POSITIVE:
         section, _, field = name.partition(".")
@@ -82,9 +82,9 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         documents.splitter(config, tokenizer, validation=True)
         args = copy.deepcopy(hymo_flavors[config.model.flavor])  # the Trainer updates its own copy
         args.update_from_config(config)
+        check_flash_attention(args.mla_flex_options, config.debug.deterministic, installed=this_machine)
         if this_machine:
             check_gdn_backend_runs(args.gdn_backend)
-            check_flash_attention(args.mla_flex_options, config.debug.deterministic)
             check_compile_backend(config, args.gdn_backend)
         check_optimizer_values(config.optimizer)
         wsd_schedule(config.lr_scheduler, config.training.steps)
@@ -130,14 +130,21 @@ def check_gdn_backend_runs(backend: str) -> None:
                          "(and --compile.no-enable: that backend is not compiled)")
 
 
-def check_flash_attention(flex_options: str, deterministic: bool) -> None:
-    """Raises ValueError if ``mla_flex_options`` asks for flex attention's FLASH backend and
-    flash-attn-4's kernels do not import here, or the run is deterministic (that backend's
-    deterministic backward needs write-order metadata HyMo's block mask does not carry, and does
-    not exist on Hopper). Without the check, both fail only when the first MLA block compiles."""
+def check_flash_attention(flex_options: str, deterministic: bool, *, installed: bool = True) -> None:
+    """Raises ValueError if ``mla_flex_options`` asks for flex attention's FLASH backend and the
+    run is deterministic (that backend's deterministic backward needs write-order metadata HyMo's
+    block mask does not carry, and does not exist on Hopper), or, with ``installed``, flash-attn-4's
+    kernels do not import here (asked on a CPU too, where no flex attention runs: the config names
+    a package this machine lacks). Without the check, both fail only when the first MLA block
+    compiles."""
     from hymo_recipes.model.args import parse_flex_options
 
     if parse_flex_options(flex_options).get("BACKEND") != "FLASH":
+        return
+    if deterministic:
+        raise ValueError("mla_flex_options BACKEND=FLASH has no deterministic backward with HyMo's block mask: "
+                         "drop BACKEND=FLASH, or debug.deterministic")
+    if not installed:
         return
     try:
         import flash_attn.cute  # noqa: F401
@@ -145,9 +152,6 @@ def check_flash_attention(flex_options: str, deterministic: bool) -> None:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
         raise ValueError(f"mla_flex_options BACKEND=FLASH runs flash-attn-4's kernels, which do not import here "
                          f'({why}): pip install -e ".[flash]", or drop BACKEND=FLASH') from None
-    if deterministic:
-        raise ValueError("mla_flex_options BACKEND=FLASH has no deterministic backward with HyMo's block mask: "
-                         "drop BACKEND=FLASH, or debug.deterministic")
 
 
 def _type_ok(value, hint) -> bool | None:

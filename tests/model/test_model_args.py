@@ -44,6 +44,8 @@ BAD = [
     (dict(mla_flex_options="fwd_BLOCK_M=big"), "mla_flex_options: fwd_BLOCK_M takes an integer, got 'big'"),
     (dict(mla_flex_options="USE_TMA=3"), "mla_flex_options: USE_TMA takes true or false"),
     (dict(mla_flex_options="bwd_num_stage=2"), "mla_flex_options: 'bwd_num_stage' is not a flex attention option"),
+    (dict(mla_flex_options="BACKEND=flash"), "mla_flex_options: BACKEND takes one of AUTO, TRITON, FLASH"),
+    (dict(mla_flex_options="fwd_BACKEND=FLASH"), "mla_flex_options: BACKEND applies to both directions"),
 ]
 
 

@@ -72,23 +72,26 @@ def test_triton_backend_that_cannot_run_fails_before_the_trainer(monkeypatch):
 
 
 def test_flash_attention_backend_is_checked_before_the_trainer(monkeypatch):
-    """BACKEND=FLASH needs flash-attn-4's kernels importable and a run that is not deterministic;
-    without it the options are not looked at."""
+    """BACKEND=FLASH needs flash-attn-4's kernels importable (on this machine) and a run that is
+    not deterministic (on any); without it the options are not looked at."""
     import types
 
-    flash = DEBUG + ["--hymo.mla_flex_options", "BACKEND=FLASH"]
+    flash = DEBUG + ["--hymo.mla_flex_options", "BACKEND=FLASH", "--debug.no-deterministic"]
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import flash_attn.cute raises ImportError
     with pytest.raises(SystemExit, match=r"hymo: invalid job config.*BACKEND=FLASH runs flash-attn-4's kernels, which "
                                          r'do not import here \(\w*Error: .*\): pip install -e "\.\[flash\]"'):
         parse_config(flash)
+    preflight.check_flash_attention("BACKEND=FLASH", False, installed=False)  # the config check, another machine
     parse_config(DEBUG + ["--hymo.mla_flex_options", "bwd_num_stages=2"])  # another backend needs nothing
     parent = types.ModuleType("flash_attn")
     parent.cute = types.ModuleType("flash_attn.cute")
     monkeypatch.setitem(sys.modules, "flash_attn", parent)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", parent.cute)
+    assert parse_config(flash).hymo.mla_flex_options == "BACKEND=FLASH"
     with pytest.raises(SystemExit, match="BACKEND=FLASH has no deterministic backward.*debug.deterministic"):
-        parse_config(flash)  # the debug model's config is deterministic
-    assert parse_config(flash + ["--debug.no-deterministic"]).hymo.mla_flex_options == "BACKEND=FLASH"
+        parse_config(flash[:-1])  # the debug model's config is deterministic
+    with pytest.raises(ValueError, match="no deterministic backward"):
+        preflight.check_flash_attention("BACKEND=FLASH", True, installed=False)
 
 
 def test_rope_table_reaches_the_validation_length():
