@@ -6,9 +6,10 @@ where its GPU time goes, kernel by kernel.
     python -m benchmarks.block_profile --dry                   # CPU: the debug model's block, tiny, eager
 
 The block (hymo_recipes.model.model's GDNBlock or MLABlock, the flavor's first layer of that kind)
-runs as training runs it: bf16 weights (A_log and dt_bias fp32), compiled per block, the input one
-packed row of batch × seq tokens in documents of 500-6,000 tokens (benchmarks.common's fixed
-draw) with document masking, the GDN mixer with the configs' ``gdn_mixer_saves`` (``--saves``).
+runs as training runs it: bf16 weights (A_log and dt_bias kept fp32, as benchmarks.gdn_layer_bench
+keeps them; FSDP casts them too, a difference in [heads]-sized elementwise work), compiled per
+block, the input one packed row of batch × seq tokens in documents of 500-6,000 tokens
+(benchmarks.common's fixed draw) with document masking, the GDN mixer with the configs' ``gdn_mixer_saves`` (``--saves``).
 A step's whole picture is benchmarks/step_profile.sh's; this is one block of it, cheap to rerun
 beside a change (one call, a few minutes).
 
@@ -79,7 +80,7 @@ def inputs(args, tokens: int, device: str, dtype: torch.dtype):
     from hymo_recipes.model.model import positions_in_documents
 
     lengths = document_lengths(tokens)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
     pos = positions_in_documents(cu, tokens)
     rope = precompute_rope_cache(args.qk_rope_head_dim, max(args.max_seq_len, tokens), args.rope_theta).to(device)
     x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype)

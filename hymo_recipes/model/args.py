@@ -292,13 +292,12 @@ def parse_flex_options(spec: str) -> dict[str, int | bool | str]:
         if known and base not in known:
             raise ValueError(f"mla_flex_options: {key!r} is not a flex attention option of this torch; its options "
                              f"are {', '.join(sorted(known))} (each may take a fwd_ or bwd_ prefix)")
-        if base in flex_option_choices():
+        if names := flex_option_choices().get(base):
             if key != base:
                 raise ValueError(f"mla_flex_options: {base} applies to both directions: {key!r} takes no fwd_ or "
                                  "bwd_ prefix")
-            if value not in flex_option_choices()[base]:
-                raise ValueError(f"mla_flex_options: {key} takes one of {', '.join(flex_option_choices()[base])}, "
-                                 f"got {value!r}")
+            if value not in names:
+                raise ValueError(f"mla_flex_options: {key} takes one of {', '.join(names)}, got {value!r}")
         kind = known.get(base) or (bool if value.lower() in ("true", "false") else int if value.lstrip("-").isdigit()
                                    else str)
         if kind is bool and value.lower() in ("true", "false"):
