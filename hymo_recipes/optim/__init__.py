@@ -7,6 +7,7 @@
 - partition.py: the declarative table (name pattern → optimizer, weight decay, lr multiplier).
 - nan_guard.py: skip steps with a non-finite loss or gradient, stop after too many in a row
   (checked inside the optimizer container's step).
+- graph.py: ``GraphedStep``, both optimizers' steps captured once as a CUDA graph and replayed.
 The WSD schedule itself is ``hymo_recipes.scheduler``. TorchTitan's side (the containers
 holding two optimizers per model part, the builders, the ``[optimizer]`` / ``[lr_scheduler]``
 fields) is ``hymo_recipes.titan``: nothing here imports TorchTitan.

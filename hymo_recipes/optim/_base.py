@@ -1,15 +1,24 @@
-"""The step loop that NorMuon and CautiousAdamW share: each non-empty group in one batched call."""
+"""The step loop that NorMuon and CautiousAdamW share: each non-empty group in one batched call;
+and the host half of a step that a CUDA graph replays (hymo_recipes/optim/graph.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.optim import Optimizer
 
 
 class GroupStepOptimizer(Optimizer):
-    """``step`` runs the closure, then ``_step_group`` once per param group that has params."""
+    """``step`` runs the closure, then ``_step_group`` once per param group that has params.
+
+    Under a CUDA graph (``graph.GraphedStep``) the step's kernels are captured once and replayed;
+    what changes from step to step on the host (the scheduled lr, CautiousAdamW's step count and
+    bias corrections) is then computed by ``prepare_graph_step`` before each replay and written
+    into 0-d device tensors that the captured kernels read (``_graph_scalar``), and the step itself
+    neither advances host counters nor bakes host values into the graph."""
+
+    _graph_scalars: dict | None = None  # None: eager (every value comes from the host each step)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -24,3 +33,38 @@ class GroupStepOptimizer(Optimizer):
 
     def _step_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError  # abstract: each optimizer supplies its update
+
+    def _host_step(self, index: int, group: dict[str, Any]) -> Iterator[tuple[tuple, float, torch.device, torch.dtype]]:
+        """The host half of one step of group ``index``, for a CUDA graph's replay: advances the
+        host counters and yields (key, value, device, dtype) of every per-step scalar the group's
+        kernels read through ``_graph_scalar(key)``."""
+        raise NotImplementedError  # abstract: each optimizer supplies its per-step scalars
+
+    @torch.no_grad()
+    def prepare_graph_step(self) -> None:
+        """Before each replay of a captured step (and before the capture): the host half of the
+        step, its scalars written into the device tensors the graph reads. Switches the optimizer
+        to graph mode until ``end_graph``."""
+        if self._graph_scalars is None:
+            self._graph_scalars = {}
+        for index, group in enumerate(self.param_groups):
+            if group["params"]:
+                for key, value, device, dtype in self._host_step(index, group):
+                    t = self._graph_scalars.get(key)
+                    if t is None:
+                        t = self._graph_scalars[key] = torch.empty((), dtype=dtype, device=device)
+                    t.fill_(value)
+
+    def end_graph(self) -> None:
+        """Back to eager steps (the graph was dropped, e.g. after a checkpoint load)."""
+        self._graph_scalars = None
+
+    @property
+    def in_graph(self) -> bool:
+        return self._graph_scalars is not None
+
+    def _graph_scalar(self, key: tuple) -> torch.Tensor:
+        return self._graph_scalars[key]
+
+    def _group_index(self, group: dict[str, Any]) -> int:
+        return next(i for i, g in enumerate(self.param_groups) if g is group)

@@ -247,19 +247,48 @@ class CautiousAdamW(GroupStepOptimizer):
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
 
+    @staticmethod
+    def _batches(params: list[Tensor]) -> dict[tuple, list[Tensor]]:
+        """The group's parameters by (device, dtype): foreach kernels take one of each."""
+        batches: dict[tuple, list[Tensor]] = defaultdict(list)
+        for p in params:
+            batches[(local(p).device, local(p).dtype)].append(p)
+        return batches
+
     def _step_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
-        params = group["params"]
-        # Batch by (device, dtype): foreach kernels take one of each.
-        batches: dict[tuple, list[int]] = defaultdict(list)
-        for i, p in enumerate(params):
-            batches[(local(p).device, local(p).dtype)].append(i)
-        for idxs in batches.values():
-            self._step_batch(group, [params[i] for i in idxs], beta1, beta2)
+        index = self._group_index(group) if self.in_graph else None
+        for key, params in self._batches(group["params"]).items():
+            self._step_batch(group, params, beta1, beta2, None if index is None else (index, *key))
 
-    def _step_batch(self, group, params: list[Tensor], beta1: float, beta2: float) -> None:
+    def _advance(self, group, params: list[Tensor]) -> tuple[float, float]:
+        """Counts one more step for the batch (host counters) and returns its bias-correction
+        scalars (sqrt(bc2)/bc1, eps·sqrt(bc2))."""
+        beta1, beta2 = group["betas"]
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1.0)
+        # All steps of a group advance together; one bias correction for the batch (they can
+        # only differ if a checkpoint mixed states, which load_state_dict never does). The
+        # steps live on the CPU, so the corrections are host floats, handed to the device
+        # without a copy (no host sync in the step).
+        t = float(steps[0])
+        bc1 = 1.0 - beta1**t
+        bc2_sqrt = math.sqrt(1.0 - beta2**t)
+        return bc2_sqrt / bc1, group["eps"] * bc2_sqrt
+
+    def _host_step(self, index: int, group: dict[str, Any]):
+        for (device, dtype), params in self._batches(group["params"]).items():
+            step_scale, eps_scaled = self._advance(group, params)
+            key = (index, device, dtype)
+            yield ("step_scale", *key), step_scale, device, dtype
+            yield ("eps_scaled", *key), eps_scaled, device, dtype
+            yield ("lr", *key), float(group["lr"]), device, dtype
+
+    def _step_batch(self, group, params: list[Tensor], beta1: float, beta2: float, graph_key=None) -> None:
+        """One (device, dtype) batch of a group; graph_key (group index, device, dtype): under a
+        CUDA graph, whose scalars prepare_graph_step has written."""
         device = local(params[0]).device
-        ps, gs, ms, vs, steps = [], [], [], [], []
+        ps, gs, ms, vs = [], [], [], []
         for p in params:
             st = self.state[p]
             w = local(p)
@@ -271,19 +300,15 @@ class CautiousAdamW(GroupStepOptimizer):
             gs.append(g if g.dtype == w.dtype else g.to(w.dtype))
             ms.append(local(st["exp_avg"]))
             vs.append(local(st["exp_avg_sq"]))
-            steps.append(st["step"])
-        torch._foreach_add_(steps, 1.0)
-        # All steps of a group advance together; one bias correction for the batch (they can
-        # only differ if a checkpoint mixed states, which load_state_dict never does). The
-        # steps live on the CPU, so the corrections are host floats, handed to the device
-        # without a copy (no host sync in the step).
-        t = float(steps[0])
-        bc1 = 1.0 - beta1**t
-        bc2_sqrt = math.sqrt(1.0 - beta2**t)
         dtype = ps[0].dtype
-        step_scale = _scalar_tensor(bc2_sqrt / bc1, device, dtype)
-        eps_scaled = _scalar_tensor(group["eps"] * bc2_sqrt, device, dtype)
-        lr = _scalar_tensor(group["lr"], device, dtype)
+        if graph_key is None:
+            step_scale, eps_scaled = self._advance(group, params)
+            step_scale = _scalar_tensor(step_scale, device, dtype)
+            eps_scaled = _scalar_tensor(eps_scaled, device, dtype)
+            lr = _scalar_tensor(group["lr"], device, dtype)
+        else:
+            step_scale, eps_scaled, lr = (self._graph_scalar((name, *graph_key))
+                                          for name in ("step_scale", "eps_scaled", "lr"))
         wd = _scalar_tensor(group["weight_decay"], device, dtype)
         apply_wd = isinstance(group["weight_decay"], Tensor) or group["weight_decay"] != 0.0
         flags = (group["cautious_update"], group["cautious_wd"], apply_wd)

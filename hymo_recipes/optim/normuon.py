@@ -313,14 +313,25 @@ class NorMuon(GroupStepOptimizer):
             self._batch_cache[key] = batches
         return batches
 
+    def _host_step(self, index: int, group: dict[str, Any]):
+        # the scheduled lr is the one value that changes between steps; lr·s and lr·wd are formed
+        # on the host as the eager step forms them, so the two round alike
+        lr, wd = _as_scalar(group["lr"]), _as_scalar(group["weight_decay"])
+        device = local(group["params"][0]).device
+        yield ("lr_wd", index), float(lr * wd), device, torch.float32
+        for j, b in enumerate(self._batches(group["params"])):
+            s = update_scale_factor(group["update_scale"], b.rows_global, b.cols)
+            yield ("lr_s", index, j), float(lr * s), device, torch.float32
+
     def _step_group(self, group: dict[str, Any]) -> None:
         beta1, beta2, eps = group["momentum"], group["beta2"], group["eps"]
+        index = self._group_index(group) if self.in_graph else None
         lr = _as_scalar(group["lr"])
         wd = _as_scalar(group["weight_decay"])
         # A tensor wd is applied unconditionally (multiplying by 0 is harmless; asking it
         # whether it is 0 would cost a device sync).
         apply_wd = isinstance(wd, Tensor) or wd != 0.0
-        lr_wd = lr * wd
+        lr_wd = lr * wd if index is None else self._graph_scalar(("lr_wd", index))
         ortho_kw = dict(
             steps=group["ns_steps"],
             method=group["orthogonalizer"],
@@ -376,12 +387,13 @@ class NorMuon(GroupStepOptimizer):
         # they are GBs).
         for j, b in enumerate(batches):
             s = update_scale_factor(group["update_scale"], b.rows_global, b.cols)
+            lr_s = lr * s if index is None else self._graph_scalar(("lr_s", index, j))
             d, sq = stats[j] if stats[j] is not None else (None, None)
             O = Os[j]
             for mem, mat in b.chunks(O.device):
                 W = self._apply_fn(
                     O[mat], b.stack(ws, 2, mem), None if d is None else d[mat],
-                    None if sq is None else sq[:, mat], lr * s, lr_wd, apply_wd,
+                    None if sq is None else sq[:, mat], lr_s, lr_wd, apply_wd,
                     group["cautious_wd"],
                 )
                 torch._foreach_copy_([ws[i] for i in b.idxs[mem]], b.unstack(W, mem))

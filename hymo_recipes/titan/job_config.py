@@ -175,6 +175,13 @@ class Optimizer:
     longer compile before step 1 (BENCHMARKS.md). Off by default, for a quick start;
     hymo_750m.toml turns it on."""
 
+    cuda_graph: bool = False
+    """Replay NorMuon's and CautiousAdamW's steps as one CUDA graph after a warm-up step: the same
+    updates without the GPU idling while the host
+    launches the step's thousands of small kernels (hymo_recipes/optim/graph.py, BENCHMARKS.md).
+    One CUDA GPU and one rank, HyMo's optimizers (not name = "AdamW"), without normuon_compiled;
+    the graph's memory pool keeps the step's temporaries allocated."""
+
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""
     moe_on_normuon: bool = True

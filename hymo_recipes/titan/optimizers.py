@@ -32,6 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from hymo_recipes.mup import apply_mup_to_param_groups, part_width_mult
 from hymo_recipes.optim._dist import local as _local
 from hymo_recipes.optim.cautious_adamw import CautiousAdamW
+from hymo_recipes.optim.graph import GraphedStep
 from hymo_recipes.optim.nan_guard import NonFiniteGuard
 from hymo_recipes.optim.normuon import NorMuon
 from hymo_recipes.optim.partition import (
@@ -70,12 +71,16 @@ class HymoOptimizersContainer(OptimizersContainer):
             container then skips its step too; step post-hooks must check it), and after
             ``consecutive_limit`` skips in a row it raises NonFiniteTrainingError. Its counters
             are saved with the optimizer state. Default: ``None``.
+        cuda_graph (bool):
+            Replay every optimizer's step as one CUDA graph after a warm-up step
+            (hymo_recipes/optim/graph.py; ``[optimizer] cuda_graph``): the same updates without
+            the GPU waiting for the host's launches. Default: ``False``.
 
     ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
     say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
     optimizer; step hooks registered on the container fire once per train step (also on a
     skipped one). ``step_timer`` measures each ``step`` (guard and optimizers, not the hooks),
-    in all and per optimizer name.
+    in all and per optimizer name (one ``graph`` lap for a replayed step).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class HymoOptimizersContainer(OptimizersContainer):
         model_parts: list[nn.Module],
         build_part: Callable[[nn.Module], dict[str, Optimizer]],
         nan_guard: NonFiniteGuard | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         # Not OptimizersContainer.__init__: it builds exactly one optimizer per part.
         self.model_parts = model_parts
@@ -101,6 +107,7 @@ class HymoOptimizersContainer(OptimizersContainer):
         self.nan_guard = nan_guard
         self.last_step_skipped = False
         self.step_timer = StepTimer(all_params[0].device)
+        self.graphed = GraphedStep(self.optimizers) if cuda_graph else None
         # Optimizer.__init__ on the container itself: TorchTitan's hooks machinery needs it.
         self._post_init(all_params, {})
 
@@ -121,6 +128,10 @@ class HymoOptimizersContainer(OptimizersContainer):
                     )
                     return
                 self.step_timer.lap("nan_check")
+            if self.graphed is not None:
+                self.graphed.step()
+                self.step_timer.lap("graph")
+                return
             for name, optimizer in zip(self.optimizer_names, self.optimizers):
                 optimizer.step(*args, **kwargs)
                 self.step_timer.lap(name)
@@ -168,6 +179,8 @@ class HymoOptimizersContainer(OptimizersContainer):
         # Each optimizer picks its own parameters' keys out of the merged flat dict.
         for part, opt in zip(self.optimizer_parts, self.optimizers):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
+        if self.graphed is not None:
+            self.graphed.reset()  # the loaded state tensors are not the ones the graph writes
 
     def lrs(self) -> dict[str, float]:
         """Current lr of the first group of each optimizer name (groups differ by lr_mult)."""
@@ -426,7 +439,8 @@ def build_hymo_optimizers(
     guard = NonFiniteGuard(optimizer_config.consecutive_nan_limit,
                            optimizer_config.inject_nan_steps)
     return HymoOptimizersContainer(
-        model_parts, lambda part: optimizers_for_part(part, optimizer_config), guard
+        model_parts, lambda part: optimizers_for_part(part, optimizer_config), guard,
+        cuda_graph=getattr(optimizer_config, "cuda_graph", False),
     )
 
 

@@ -17,7 +17,8 @@ forward, or at the first validation) or with an error that does not name the set
 - torch.compile is not asked of a backend that cannot be compiled (``parallelize``'s check);
 - the learning-rate schedule can be built for ``training.steps``;
 - ``[optimizer]`` values are in the range torch's optimizers accept (a negative lr fails only
-  when the optimizers are built, after the model);
+  when the optimizers are built, after the model), and ``optimizer.cuda_graph`` is asked on one
+  rank of a CUDA machine, of HyMo's optimizers;
 - the batch sizes divide over the data-parallel ranks, and a local dataset's files exist, are
   readable UTF-8 and hold what the run reads (data_checks.py; training, and validation when it is
   on);
@@ -41,6 +42,8 @@ import math
 import os
 import types
 import typing
+
+import torch
 
 from hymo_recipes.titan.api import logger
 
@@ -87,6 +90,7 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
             check_gdn_backend_runs(args.gdn_backend)
             check_compile_backend(config, args.gdn_backend)
         check_optimizer_values(config.optimizer)
+        check_optimizer_graph(config.optimizer, installed=this_machine)
         wsd_schedule(config.lr_scheduler, config.training.steps)
         check_data(config, tokenizer, dp_degree(config))
     else:
@@ -102,6 +106,25 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
 # [optimizer] values torch's optimizers reject only when they are built (after the model is)
 NONNEGATIVE = ("lr", "normuon_lr", "eps", "normuon_eps", "weight_decay", "normuon_weight_decay", "embed_weight_decay")
 BELOW_ONE = ("beta1", "beta2", "normuon_momentum", "normuon_beta2")
+
+
+def check_optimizer_graph(cfg, *, installed: bool = True) -> None:
+    """[optimizer] cuda_graph's limits (hymo_recipes/optim/graph.py), in one line each; ``installed``:
+    also whether this machine has a CUDA GPU."""
+    if not getattr(cfg, "cuda_graph", False):
+        return
+    if cfg.name == "AdamW":
+        raise ValueError('optimizer.cuda_graph replays HyMo\'s NorMuon and CautiousAdamW steps; optimizer.name = "AdamW" '
+                         "(torch's) is not graphed: drop --optimizer.cuda_graph or pick NorMuon / CautiousAdamW")
+    if cfg.normuon_compiled:
+        raise ValueError("optimizer.cuda_graph with optimizer.normuon_compiled is not supported (its compiled maths "
+                         "would take the graph's device scalars as new inputs and recompile): drop one of the two")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"optimizer.cuda_graph runs on one rank only (the optimizers' collectives are not captured); "
+                         f"this run has {world}: drop --optimizer.cuda_graph")
+    if installed and not torch.cuda.is_available():
+        raise ValueError("optimizer.cuda_graph needs a CUDA GPU and this machine has none: drop --optimizer.cuda_graph")
 
 
 def check_optimizer_values(cfg) -> None:

@@ -94,6 +94,26 @@ def test_flash_attention_backend_is_checked_before_the_trainer(monkeypatch):
         preflight.check_flash_attention("BACKEND=FLASH", True, installed=False)
 
 
+def test_optimizer_cuda_graph_is_checked_before_the_trainer(monkeypatch):
+    """optimizer.cuda_graph needs a CUDA machine (here: none), one rank, HyMo's optimizers and no
+    normuon_compiled; off, nothing is looked at."""
+    import types
+
+    with pytest.raises(SystemExit, match="hymo: invalid job config.*optimizer.cuda_graph needs a CUDA GPU and this "
+                                         "machine has none"):
+        parse_config(DEBUG + ["--optimizer.cuda_graph"])
+    ok = types.SimpleNamespace(cuda_graph=True, name="NorMuon", normuon_compiled=False)
+    preflight.check_optimizer_graph(ok, installed=False)  # the config check, another machine
+    preflight.check_optimizer_graph(types.SimpleNamespace(cuda_graph=False, name="AdamW"))
+    with pytest.raises(ValueError, match='name = "AdamW" \(torch\'s\) is not graphed'):
+        preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "name": "AdamW"}), installed=False)
+    with pytest.raises(ValueError, match="with optimizer.normuon_compiled is not supported"):
+        preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "normuon_compiled": True}), installed=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="runs on one rank only .*this run has 2"):
+        preflight.check_optimizer_graph(ok, installed=False)
+
+
 def test_rope_table_reaches_the_validation_length():
     config = parse_config(DEBUG + ["--training.seq_len", "100"])
     assert config.validation.enable and config.validation.seq_len == 256

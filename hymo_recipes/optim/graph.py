@@ -1,0 +1,122 @@
+"""Every optimizer's step as one CUDA graph, replayed once per training step.
+
+Why: the step is thousands of small kernels (NorMuon's per-shape batches, CautiousAdamW's
+multi-tensor passes). They start right after the NaN guard's host read of the gradients'
+finiteness, which waits for the backward, so the GPU idles while the host launches them one by
+one (hymo_small: 42 % busy inside the step, BENCHMARKS.md). Replayed as one graph they run back
+to back.
+
+How: the first ``warmup_steps`` steps run eagerly on a side stream (lazy initialisation,
+torch.compile's compiles). Then, before every step, each optimizer's ``prepare_graph_step`` runs
+its host half (the scheduled lr, CautiousAdamW's step counts and bias corrections) and writes the
+results into 0-d device tensors; the gradients are copied into static buffers (one multi-tensor
+copy; a parameter without a gradient gets zeros, as the eager step gives it); the first time,
+the optimizers' steps are captured with the parameters' ``.grad`` pointing at those buffers;
+then the graph is replayed. Parameters and optimizer states are updated in place, so their
+addresses stay the graph's; the scalars are the eager step's values, so the updates are the
+eager step's (a CPU test checks the host half, a GPU test the graph).
+
+Limits, refused up front (hymo_recipes/titan/preflight.py): one CUDA device and one rank (the
+optimizers' collectives are not captured), HyMo's own optimizers (torch's AdamW has no host
+half here), and not with ``normuon_compiled``. After ``load_state_dict`` replaces the state tensors the graph is dropped
+(``reset``) and captured again after the warm-up. The graph's private memory pool keeps the
+step's temporaries allocated between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hymo_recipes.optim._base import GroupStepOptimizer
+from hymo_recipes.optim._dist import local
+
+__all__ = ["GraphedStep"]
+
+
+class GraphedStep:
+    """Runs ``step()`` of ``optimizers`` (HyMo's GroupStepOptimizers, every parameter on one CUDA
+    device) through one captured CUDA graph after ``warmup_steps`` eager steps."""
+
+    def __init__(self, optimizers: list[GroupStepOptimizer], warmup_steps: int = 1):
+        bad = [type(o).__name__ for o in optimizers if not isinstance(o, GroupStepOptimizer)]
+        if bad:
+            raise ValueError(f"a CUDA graph of the optimizer step takes HyMo's NorMuon and CautiousAdamW, not {bad}")
+        self.optimizers = list(optimizers)
+        self.params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        devices = {local(p).device for p in self.params}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise ValueError(f"a CUDA graph of the optimizer step needs every parameter on one CUDA device, "
+                             f"got {sorted(str(d) for d in devices)}")
+        self.device = next(iter(devices))
+        self.warmup_steps = warmup_steps
+        self.captures = 0  # how many times a graph was captured (a test reads it)
+        self._stream = torch.cuda.Stream(self.device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the graph (the optimizer state tensors were replaced, e.g. by a checkpoint load):
+        the next ``warmup_steps`` steps run eagerly, then the step is captured anew."""
+        self._graph = None
+        self._static = None
+        self._eager_left = self.warmup_steps
+        for o in self.optimizers:
+            o.end_graph()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self._eager_left > 0:
+            self._eager_left -= 1
+            self._on_side_stream(lambda: [o.step() for o in self.optimizers])
+            return
+        for o in self.optimizers:
+            o.prepare_graph_step()
+        grads = [p.grad for p in self.params]
+        if self._graph is None:
+            self._static = [torch.zeros_like(local(p) if g is None else local(g)) for p, g in zip(self.params, grads)]
+        self._load_grads(grads)
+        if self._graph is None:
+            self._capture(grads)
+        self._graph.replay()
+
+    def _on_side_stream(self, fn) -> None:
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            fn()
+        current.wait_stream(self._stream)
+
+    def _load_grads(self, grads) -> None:
+        dst, src, zero = [], [], []
+        for s, g in zip(self._static, grads):
+            if g is None:
+                zero.append(s)
+                continue
+            g = local(g)
+            if g.shape != s.shape or g.dtype != s.dtype:
+                raise RuntimeError(f"a gradient changed from {tuple(s.shape)} {s.dtype} to {tuple(g.shape)} {g.dtype} "
+                                   "between CUDA-graphed optimizer steps")
+            dst.append(s)
+            src.append(g)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def _capture(self, grads) -> None:
+        # the optimizers read p.grad while they are captured: the static buffers, wrapped like p
+        for p, s in zip(self.params, self._static):
+            p.grad = (DTensor.from_local(s, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                         stride=p.stride()) if isinstance(p, DTensor) else s)
+        try:
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the data prefetch thread keeps copying batches while the step is captured
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                for o in self.optimizers:
+                    o.step()
+        finally:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        self._graph = graph
+        self.captures += 1

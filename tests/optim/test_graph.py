@@ -1,0 +1,114 @@
+"""The optimizer step as one CUDA graph (hymo_recipes/optim/graph.py): its host half on the CPU,
+the graph against the eager step on a GPU, and the refusals."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _tiny import loss_fn, batch, make_model, optim_config, sched_config, train_steps  # noqa: E402
+
+from hymo_recipes.optim.graph import GraphedStep  # noqa: E402
+from hymo_recipes.titan.optimizers import build_hymo_lr_schedulers, build_hymo_optimizers  # noqa: E402
+
+
+def build(model, **overrides):
+    opts = build_hymo_optimizers([model], optim_config(**overrides), None)
+    # a 10-step warmup-stable-decay schedule: the lr changes at every one of the steps below
+    return opts, build_hymo_lr_schedulers(opts, sched_config(warmup_fraction=0.5, stable_fraction=0.0,
+                                                             decay_fraction=0.5), 10)
+
+
+def assert_params_close(a, b):
+    """Every parameter of model b close to a's (kernels captured in a graph may pick other GEMM
+    algorithms than the eager ones)."""
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "adamw_compiled"])
+def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
+    """What a replay does, without the graph: prepare_graph_step (host counters, this step's lr and
+    bias corrections into device scalars), then the step in graph mode (which reads them and
+    advances nothing). It must give the eager step's parameters and state at every step of a
+    schedule whose lr changes each step: a stale scalar or a counter advanced twice shows."""
+    kw = dict(adamw_compiled=compiled)  # normuon_compiled with cuda_graph is refused (preflight)
+    eager, graphed = make_model(), make_model()
+    opts_e, scheds_e = build(eager, **kw)
+    opts_g, scheds_g = build(graphed, **kw)
+    for step in range(1, 6):
+        for model, opts in ((eager, opts_e), (graphed, opts_g)):
+            opts.zero_grad()
+            loss_fn(model, batch(step)).backward()
+        for o in opts_e.optimizers:
+            o.step()
+        for o in opts_g.optimizers:
+            o.prepare_graph_step()
+            assert o.in_graph
+            o.step()
+        scheds_e.step()
+        scheds_g.step()
+        # the device scalars hold the values the eager step passes (host products rounded to
+        # fp32 once): bitwise the same parameters
+        for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+            assert torch.equal(p, q), (step, name)
+    steps_e = [s["step"].item() for s in opts_e.optimizers[1].state.values()]
+    steps_g = [s["step"].item() for s in opts_g.optimizers[1].state.values()]
+    assert steps_e == steps_g == [5.0] * len(steps_e)
+    for o in opts_g.optimizers:
+        o.end_graph()
+        assert not o.in_graph
+
+
+def test_graph_mode_step_reads_the_prepared_lr():
+    """In graph mode the step takes the lr prepare_graph_step wrote, not the group's: the graph
+    replays kernels that read device scalars, and the host value is what prepare refreshes."""
+    model = make_model()
+    opts, _ = build(model)
+    loss_fn(model, batch(1)).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for o in opts.optimizers:
+        o.prepare_graph_step()
+        for g in o.param_groups:
+            g["lr"] = 1e6  # a later host change that only a new prepare_graph_step would carry
+        o.step()
+    moved = max((p - before[n]).abs().max().item() for n, p in model.named_parameters())
+    assert 0 < moved < 1.0
+
+
+def test_graphed_step_refuses_the_cpu_and_other_optimizers():
+    model = make_model()
+    opts, _ = build(model)
+    with pytest.raises(ValueError, match="needs every parameter on one CUDA device, got \\['cpu'\\]"):
+        GraphedStep(opts.optimizers)
+    with pytest.raises(ValueError, match="takes HyMo's NorMuon and CautiousAdamW, not \\['AdamW'\\]"):
+        GraphedStep([torch.optim.AdamW(model.parameters())])
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_container_equals_the_eager_one():
+    """The container with cuda_graph on, against the same run eager: a warm-up step, the capture,
+    replays through a schedule whose lr changes each step, a parameter without a gradient, and a
+    state load in the middle (the graph is dropped and captured again)."""
+    eager, graphed = make_model().cuda(), make_model().cuda()
+    opts_e, scheds_e = build(eager)
+    opts_g, scheds_g = build(graphed, cuda_graph=True)
+    assert opts_g.graphed is not None and opts_e.graphed is None
+    losses_e = train_steps(eager, opts_e, scheds_e, range(1, 5))
+    losses_g = train_steps(graphed, opts_g, scheds_g, range(1, 5))
+    assert opts_g.graphed.captures == 1
+    assert graphed.layers["0"].attn.unused_proj.weight.grad is None  # no gradient: zeros in the graph
+    torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=1e-5, atol=0)
+    assert_params_close(eager, graphed)
+    for opts in (opts_e, opts_g):
+        opts.load_state_dict(opts.state_dict())
+    losses_e += train_steps(eager, opts_e, scheds_e, range(5, 9))
+    losses_g += train_steps(graphed, opts_g, scheds_g, range(5, 9))
+    assert opts_g.graphed.captures == 2
+    torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=1e-5, atol=0)
+    assert_params_close(eager, graphed)
+    steps = {s["step"].item() for s in opts_g.optimizers[1].state.values()}
+    assert steps == {8.0}
+    assert opts_g.step_timer.collect()[1] == 8 and set(opts_g.step_timer.last_laps) == {"nan_check", "graph"}
