@@ -3,6 +3,7 @@ and the host half of a step that a CUDA graph replays (hymo_recipes/optim/graph.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -15,10 +16,12 @@ class GroupStepOptimizer(Optimizer):
     Under a CUDA graph (``graph.GraphedStep``) the step's kernels are captured once and replayed;
     what changes from step to step on the host (the scheduled lr, CautiousAdamW's step count and
     bias corrections) is then computed by ``prepare_graph_step`` before each replay and written
-    into 0-d device tensors that the captured kernels read (``_graph_scalar``), and the step itself
-    neither advances host counters nor bakes host values into the graph."""
+    into 0-d device tensors that the captured kernels read (``_graph_scalar``); a step run inside
+    ``graph_mode()`` (the capture) neither advances host counters nor bakes host values into the
+    graph."""
 
-    _graph_scalars: dict | None = None  # None: eager (every value comes from the host each step)
+    _graph_scalars: dict | None = None  # the device scalars prepare_graph_step writes
+    _in_graph = False  # inside graph_mode(): the step reads them
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -43,8 +46,7 @@ class GroupStepOptimizer(Optimizer):
     @torch.no_grad()
     def prepare_graph_step(self) -> None:
         """Before each replay of a captured step (and before the capture): the host half of the
-        step, its scalars written into the device tensors the graph reads. Switches the optimizer
-        to graph mode until ``end_graph``."""
+        step, its scalars written into the device tensors the graph reads."""
         if self._graph_scalars is None:
             self._graph_scalars = {}
         for index, group in enumerate(self.param_groups):
@@ -56,12 +58,24 @@ class GroupStepOptimizer(Optimizer):
                     t.fill_(value)
 
     def end_graph(self) -> None:
-        """Back to eager steps (the graph was dropped, e.g. after a checkpoint load)."""
+        """Forget the device scalars (the graph was dropped, e.g. after a checkpoint load)."""
         self._graph_scalars = None
+
+    @contextlib.contextmanager
+    def graph_mode(self):
+        """Steps inside read the scalars of the last ``prepare_graph_step`` and advance no host
+        counter: what a CUDA graph captures (a step outside is the ordinary eager step)."""
+        if self._graph_scalars is None:
+            raise RuntimeError("graph_mode() needs a prepare_graph_step() first")
+        self._in_graph = True
+        try:
+            yield
+        finally:
+            self._in_graph = False
 
     @property
     def in_graph(self) -> bool:
-        return self._graph_scalars is not None
+        return self._in_graph
 
     def _graph_scalar(self, key: tuple) -> torch.Tensor:
         return self._graph_scalars[key]

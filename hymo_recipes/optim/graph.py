@@ -18,18 +18,23 @@ eager step's (a CPU test checks the host half, a GPU test the graph).
 
 Limits, refused up front (hymo_recipes/titan/preflight.py): one CUDA device and one rank (the
 optimizers' collectives are not captured), HyMo's own optimizers (torch's AdamW has no host
-half here), and not with ``normuon_compiled``. After ``load_state_dict`` replaces the state tensors the graph is dropped
+half here), and not with ``normuon_compiled``; ``GraphedStep`` refuses them too. The static
+gradient buffers are a second copy of the gradients (4 bytes per fp32 parameter). After ``load_state_dict`` replaces the state tensors the graph is dropped
 (``reset``) and captured again after the warm-up. The graph's private memory pool keeps the
 step's temporaries allocated between steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hymo_recipes.optim._base import GroupStepOptimizer
-from hymo_recipes.optim._dist import local
+from hymo_recipes.optim._dist import local, shard_spec
+from hymo_recipes.optim.normuon import NorMuon
 
 __all__ = ["GraphedStep"]
 
@@ -43,7 +48,15 @@ class GraphedStep:
         if bad:
             raise ValueError(f"a CUDA graph of the optimizer step takes HyMo's NorMuon and CautiousAdamW, not {bad}")
         self.optimizers = list(optimizers)
+        if any(isinstance(o, NorMuon) and o._compiled for o in self.optimizers):
+            raise ValueError("a CUDA graph of the optimizer step does not take NorMuon(compiled=True): its compiled "
+                             "maths would recompile for the graph's device scalars")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("a CUDA graph of the optimizer step runs on one rank only (the optimizers' collectives "
+                             "are not captured)")
         self.params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        if any(shard_spec(p).sharded for p in self.params):
+            raise ValueError("a CUDA graph of the optimizer step takes parameters sharded over one rank at most")
         devices = {local(p).device for p in self.params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError(f"a CUDA graph of the optimizer step needs every parameter on one CUDA device, "
@@ -112,9 +125,12 @@ class GraphedStep:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the data prefetch thread keeps copying batches while the step is captured
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+            with contextlib.ExitStack() as modes:
                 for o in self.optimizers:
-                    o.step()
+                    modes.enter_context(o.graph_mode())
+                with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                    for o in self.optimizers:
+                        o.step()
         finally:
             for p, g in zip(self.params, grads):
                 p.grad = g

@@ -317,11 +317,12 @@ class NorMuon(GroupStepOptimizer):
         # the scheduled lr is the one value that changes between steps; lr·s and lr·wd are formed
         # on the host as the eager step forms them, so the two round alike
         lr, wd = _as_scalar(group["lr"]), _as_scalar(group["weight_decay"])
-        device = local(group["params"][0]).device
-        yield ("lr_wd", index), float(lr * wd), device, torch.float32
+        p = local(group["params"][0])
+        device, dtype = p.device, _state_dtype(p)  # the update's dtype
+        yield ("lr_wd", index), float(lr * wd), device, dtype
         for j, b in enumerate(self._batches(group["params"])):
             s = update_scale_factor(group["update_scale"], b.rows_global, b.cols)
-            yield ("lr_s", index, j), float(lr * s), device, torch.float32
+            yield ("lr_s", index, j), float(lr * s), device, dtype
 
     def _step_group(self, group: dict[str, Any]) -> None:
         beta1, beta2, eps = group["momentum"], group["beta2"], group["eps"]

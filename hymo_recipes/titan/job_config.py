@@ -180,7 +180,7 @@ class Optimizer:
     updates without the GPU idling while the host
     launches the step's thousands of small kernels (hymo_recipes/optim/graph.py, BENCHMARKS.md).
     One CUDA GPU and one rank, HyMo's optimizers (not name = "AdamW"), without normuon_compiled;
-    the graph's memory pool keeps the step's temporaries allocated."""
+    it keeps a copy of the gradients (4 bytes per parameter) and the step's temporaries allocated."""
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""

@@ -129,6 +129,8 @@ class HymoOptimizersContainer(OptimizersContainer):
                     return
                 self.step_timer.lap("nan_check")
             if self.graphed is not None:
+                if args or kwargs:
+                    raise ValueError("optimizer.cuda_graph replays the step: a closure cannot run in it")
                 self.graphed.step()
                 self.step_timer.lap("graph")
                 return

@@ -82,6 +82,7 @@ def batch(step: int, rank: int = 0, world: int = 1, per_rank: int = 2, seq: int 
 
 
 def loss_fn(model, tokens):
+    tokens = tokens.to(model.tok_embeddings.weight.device)
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
 

@@ -17,8 +17,14 @@ from hymo_recipes.titan.optimizers import build_hymo_lr_schedulers, build_hymo_o
 def build(model, **overrides):
     opts = build_hymo_optimizers([model], optim_config(**overrides), None)
     # a 10-step warmup-stable-decay schedule: the lr changes at every one of the steps below
-    return opts, build_hymo_lr_schedulers(opts, sched_config(warmup_fraction=0.5, stable_fraction=0.0,
-                                                             decay_fraction=0.5), 10)
+    scheds = build_hymo_lr_schedulers(opts, sched_config(warmup_fraction=0.5, stable_fraction=0.0,
+                                                         decay_fraction=0.5), 10)
+    # every group its own lr (as muP's multipliers make them): a scalar of the wrong group shows
+    for sched in scheds.schedulers:
+        sched.base_lrs = [lr * (1 + 0.25 * i) for i, lr in enumerate(sched.base_lrs)]
+        for group, lr in zip(sched.optimizer.param_groups, sched.base_lrs):
+            group["lr"] = lr * sched.lr_lambdas[0](0)
+    return opts, scheds
 
 
 def assert_params_close(a, b):
@@ -46,8 +52,11 @@ def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
             o.step()
         for o in opts_g.optimizers:
             o.prepare_graph_step()
-            assert o.in_graph
-            o.step()
+            assert not o.in_graph
+            with o.graph_mode():
+                assert o.in_graph
+                o.step()
+            assert not o.in_graph
         scheds_e.step()
         scheds_g.step()
         # the device scalars hold the values the eager step passes (host products rounded to
@@ -59,7 +68,9 @@ def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
     assert steps_e == steps_g == [5.0] * len(steps_e)
     for o in opts_g.optimizers:
         o.end_graph()
-        assert not o.in_graph
+        with pytest.raises(RuntimeError, match="needs a prepare_graph_step"):
+            with o.graph_mode():
+                pass
 
 
 def test_graph_mode_step_reads_the_prepared_lr():
@@ -73,7 +84,8 @@ def test_graph_mode_step_reads_the_prepared_lr():
         o.prepare_graph_step()
         for g in o.param_groups:
             g["lr"] = 1e6  # a later host change that only a new prepare_graph_step would carry
-        o.step()
+        with o.graph_mode():
+            o.step()
     moved = max((p - before[n]).abs().max().item() for n, p in model.named_parameters())
     assert 0 < moved < 1.0
 
@@ -81,10 +93,13 @@ def test_graph_mode_step_reads_the_prepared_lr():
 def test_graphed_step_refuses_the_cpu_and_other_optimizers():
     model = make_model()
     opts, _ = build(model)
-    with pytest.raises(ValueError, match="needs every parameter on one CUDA device, got \\['cpu'\\]"):
+    with pytest.raises(ValueError, match=r"needs every parameter on one CUDA device, got \['cpu'\]"):
         GraphedStep(opts.optimizers)
-    with pytest.raises(ValueError, match="takes HyMo's NorMuon and CautiousAdamW, not \\['AdamW'\\]"):
+    with pytest.raises(ValueError, match=r"takes HyMo's NorMuon and CautiousAdamW, not \['AdamW'\]"):
         GraphedStep([torch.optim.AdamW(model.parameters())])
+    compiled, _ = build(make_model(), normuon_compiled=True)
+    with pytest.raises(ValueError, match=r"does not take NorMuon\(compiled=True\)"):
+        GraphedStep(compiled.optimizers)
 
 
 @pytest.mark.gpu

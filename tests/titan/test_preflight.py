@@ -99,16 +99,19 @@ def test_optimizer_cuda_graph_is_checked_before_the_trainer(monkeypatch):
     normuon_compiled; off, nothing is looked at."""
     import types
 
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)  # this machine, GPU or not
     with pytest.raises(SystemExit, match="hymo: invalid job config.*optimizer.cuda_graph needs a CUDA GPU and this "
                                          "machine has none"):
         parse_config(DEBUG + ["--optimizer.cuda_graph"])
     ok = types.SimpleNamespace(cuda_graph=True, name="NorMuon", normuon_compiled=False)
     preflight.check_optimizer_graph(ok, installed=False)  # the config check, another machine
     preflight.check_optimizer_graph(types.SimpleNamespace(cuda_graph=False, name="AdamW"))
-    with pytest.raises(ValueError, match='name = "AdamW" \(torch\'s\) is not graphed'):
+    with pytest.raises(ValueError, match=r'name = "AdamW" \(torch\'s\) is not graphed'):
         preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "name": "AdamW"}), installed=False)
     with pytest.raises(ValueError, match="with optimizer.normuon_compiled is not supported"):
         preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "normuon_compiled": True}), installed=False)
+    preflight.check_optimizer_graph(  # no NorMuon is built: its compile switch does not matter
+        types.SimpleNamespace(**{**vars(ok), "normuon_compiled": True, "name": "CautiousAdamW"}), installed=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="runs on one rank only .*this run has 2"):
         preflight.check_optimizer_graph(ok, installed=False)
