@@ -6,22 +6,24 @@ finiteness, which waits for the backward, so the GPU idles while the host launch
 one (hymo_small: 42 % busy inside the step, BENCHMARKS.md). Replayed as one graph they run back
 to back.
 
-How: the first ``warmup_steps`` steps run eagerly on a side stream (lazy initialisation,
-torch.compile's compiles). Then, before every step, each optimizer's ``prepare_graph_step`` runs
-its host half (the scheduled lr, CautiousAdamW's step counts and bias corrections) and writes the
-results into 0-d device tensors; the gradients are copied into static buffers (one multi-tensor
-copy; a parameter without a gradient gets zeros, as the eager step gives it); the first time,
-the optimizers' steps are captured with the parameters' ``.grad`` pointing at those buffers;
-then the graph is replayed. Parameters and optimizer states are updated in place, so their
-addresses stay the graph's; the scalars are the eager step's values, so the updates are the
-eager step's (a CPU test checks the host half, a GPU test the graph).
+How: before every step, each optimizer's ``prepare_graph_step`` runs its host half (the
+scheduled lr, CautiousAdamW's step counts and bias corrections) and writes the results into 0-d
+device tensors. The first ``warmup_steps`` steps then run eagerly on a side stream, reading those
+tensors as the capture will (lazy initialisation; torch.compile compiles the optimizers'
+compiled maths for them here, since no compile can run inside a capture). After that the
+gradients are copied into static buffers (one multi-tensor copy; a parameter without a gradient
+gets zeros, as the eager step gives it); the first time, the optimizers' steps are captured with
+the parameters' ``.grad`` pointing at those buffers; then the graph is replayed. Parameters and
+optimizer states are updated in place, so their addresses stay the graph's; the scalars are the
+eager step's values, so the updates are the eager step's (a CPU test checks the host half, a GPU
+test the graph).
 
 Limits, refused up front (hymo_recipes/titan/preflight.py): one CUDA device and one rank (the
-optimizers' collectives are not captured), HyMo's own optimizers (torch's AdamW has no host
-half here), and not with ``normuon_compiled``; ``GraphedStep`` refuses them too. The static
-gradient buffers are a second copy of the gradients (4 bytes per fp32 parameter). After ``load_state_dict`` replaces the state tensors the graph is dropped
-(``reset``) and captured again after the warm-up. The graph's private memory pool keeps the
-step's temporaries allocated between steps.
+optimizers' collectives are not captured) and HyMo's own optimizers (torch's AdamW has no host
+half here); ``GraphedStep`` refuses them too. The static gradient buffers are a second copy of
+the gradients (4 bytes per fp32 parameter). After ``load_state_dict`` replaces the state tensors
+the graph is dropped (``reset``) and captured again after the warm-up. The graph's private memory
+pool keeps the step's temporaries allocated between steps.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from torch.distributed.tensor import DTensor
 
 from hymo_recipes.optim._base import GroupStepOptimizer
 from hymo_recipes.optim._dist import local, shard_spec
-from hymo_recipes.optim.normuon import NorMuon
 
 __all__ = ["GraphedStep"]
 
@@ -48,9 +49,6 @@ class GraphedStep:
         if bad:
             raise ValueError(f"a CUDA graph of the optimizer step takes HyMo's NorMuon and CautiousAdamW, not {bad}")
         self.optimizers = list(optimizers)
-        if any(isinstance(o, NorMuon) and o._compiled for o in self.optimizers):
-            raise ValueError("a CUDA graph of the optimizer step does not take NorMuon(compiled=True): its compiled "
-                             "maths would recompile for the graph's device scalars")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("a CUDA graph of the optimizer step runs on one rank only (the optimizers' collectives "
                              "are not captured)")
@@ -78,12 +76,14 @@ class GraphedStep:
 
     @torch.no_grad()
     def step(self) -> None:
-        if self._eager_left > 0:
-            self._eager_left -= 1
-            self._on_side_stream(lambda: [o.step() for o in self.optimizers])
-            return
         for o in self.optimizers:
             o.prepare_graph_step()
+        if self._eager_left > 0:
+            # the captured code path run eagerly: compiled maths compiles here for the device
+            # scalars it will see in the capture, where a compile could not run
+            self._eager_left -= 1
+            self._on_side_stream(self._step_in_graph_mode)
+            return
         grads = [p.grad for p in self.params]
         if self._graph is None:
             self._static = [torch.zeros_like(local(p) if g is None else local(g)) for p, g in zip(self.params, grads)]
@@ -91,6 +91,13 @@ class GraphedStep:
         if self._graph is None:
             self._capture(grads)
         self._graph.replay()
+
+    def _step_in_graph_mode(self) -> None:
+        with contextlib.ExitStack() as modes:
+            for o in self.optimizers:
+                modes.enter_context(o.graph_mode())
+            for o in self.optimizers:
+                o.step()
 
     def _on_side_stream(self, fn) -> None:
         current = torch.cuda.current_stream(self.device)
@@ -125,12 +132,8 @@ class GraphedStep:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the data prefetch thread keeps copying batches while the step is captured
-            with contextlib.ExitStack() as modes:
-                for o in self.optimizers:
-                    modes.enter_context(o.graph_mode())
-                with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                    for o in self.optimizers:
-                        o.step()
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._step_in_graph_mode()
         finally:
             for p, g in zip(self.params, grads):
                 p.grad = g

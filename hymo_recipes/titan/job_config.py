@@ -177,10 +177,10 @@ class Optimizer:
 
     cuda_graph: bool = False
     """Replay NorMuon's and CautiousAdamW's steps as one CUDA graph after a warm-up step: the same
-    updates without the GPU idling while the host
-    launches the step's thousands of small kernels (hymo_recipes/optim/graph.py, BENCHMARKS.md).
-    One CUDA GPU and one rank, HyMo's optimizers (not name = "AdamW"), without normuon_compiled;
-    it keeps a copy of the gradients (4 bytes per parameter) and the step's temporaries allocated."""
+    updates without the GPU idling while the host launches the step's thousands of small kernels
+    (hymo_recipes/optim/graph.py, BENCHMARKS.md). One CUDA GPU and one rank, HyMo's optimizers
+    (not name = "AdamW"), compiled or not; it keeps a copy of the gradients (4 bytes per
+    parameter) and the step's temporaries allocated."""
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""

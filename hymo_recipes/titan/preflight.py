@@ -116,9 +116,6 @@ def check_optimizer_graph(cfg, *, installed: bool = True) -> None:
     if cfg.name == "AdamW":
         raise ValueError('optimizer.cuda_graph replays HyMo\'s NorMuon and CautiousAdamW steps; optimizer.name = "AdamW" '
                          "(torch's) is not graphed: drop --optimizer.cuda_graph or pick NorMuon / CautiousAdamW")
-    if cfg.name == "NorMuon" and cfg.normuon_compiled:
-        raise ValueError("optimizer.cuda_graph with optimizer.normuon_compiled is not supported (its compiled maths "
-                         "would take the graph's device scalars as new inputs and recompile): drop one of the two")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise ValueError(f"optimizer.cuda_graph runs on one rank only (the optimizers' collectives are not captured); "
