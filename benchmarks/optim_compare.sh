@@ -26,4 +26,4 @@ if [ "${DRY:-0}" = 1 ]; then
 fi
 OUT=${OUT:-outputs/optim_compare} RUN_DIR=${RUN_DIR:-outputs/optim_compare_run} \
 RUN_TIMEOUT=${RUN_TIMEOUT:-210} SEEDS=42 A_NAME=NorMuon-CautiousAdamW A_ARGS= B_NAME=AdamW \
-B_ARGS="--optimizer.name AdamW${ADAMW_LR:+ --optimizer.lr ${ADAMW_LR}}" exec benchmarks/ab_seeds.sh "$@"
+B_ARGS="--optimizer.name AdamW --optimizer.no-cuda_graph${ADAMW_LR:+ --optimizer.lr ${ADAMW_LR}}" exec benchmarks/ab_seeds.sh "$@"

@@ -333,6 +333,7 @@ class NorMuon(GroupStepOptimizer):
         # whether it is 0 would cost a device sync).
         apply_wd = isinstance(wd, Tensor) or wd != 0.0
         lr_wd = lr * wd if index is None else self._graph_scalar(("lr_wd", index))
+        lr_wd = self._compiled_scalar(lr_wd, group["params"])
         ortho_kw = dict(
             steps=group["ns_steps"],
             method=group["orthogonalizer"],
@@ -366,7 +367,7 @@ class NorMuon(GroupStepOptimizer):
 
         # 2. Orthogonalise whole matrices, one stacked [B, m, k] tensor per batch; everything
         # after stays stacked (no split into per-parameter pieces until the final write-back).
-        Os = [self._orthogonalize_batch(b, us, ortho_kw) for b in batches]
+        Os = [self._orthogonalize_batch(b, us, ortho_kw, self._compiled) for b in batches]
         del us
 
         # 3. Neuron second moment on local rows (rows are output neurons) and the squared
@@ -389,6 +390,7 @@ class NorMuon(GroupStepOptimizer):
         for j, b in enumerate(batches):
             s = update_scale_factor(group["update_scale"], b.rows_global, b.cols)
             lr_s = lr * s if index is None else self._graph_scalar(("lr_s", index, j))
+            lr_s = self._compiled_scalar(lr_s, params)
             d, sq = stats[j] if stats[j] is not None else (None, None)
             O = Os[j]
             for mem, mat in b.chunks(O.device):
@@ -400,15 +402,31 @@ class NorMuon(GroupStepOptimizer):
                 torch._foreach_copy_([ws[i] for i in b.idxs[mem]], b.unstack(W, mem))
             Os[j] = stats[j] = O = None
 
+    def _compiled_scalar(self, x: float | Tensor, params: list[Tensor]) -> float | Tensor:
+        """lr·s and lr·wd for the compiled maths: always a 0-d tensor in the state dtype, the type
+        a CUDA graph's device scalars have, so that eager and graphed steps share compiled graphs
+        (a float and a tensor are two guards, and dynamo keeps at most 8 graphs per function).
+        Eager maths keeps the float."""
+        if not self._compiled or isinstance(x, Tensor):
+            return x
+        p = local(params[0])
+        return torch.full((), float(x), dtype=_state_dtype(p), device=p.device)
+
     @staticmethod
-    def _orthogonalize_batch(b: _Batch, us: list[Tensor], ortho_kw: dict) -> Tensor:
+    def _orthogonalize_batch(b: _Batch, us: list[Tensor], ortho_kw: dict, row_major: bool = False) -> Tensor:
         dtype = us[b.idxs[0]].dtype
         if b.row_group is not None:
             mats = [us[i] for i in b.idxs]
             return _orthogonalize_row_sharded(mats, (b.rows_global, b.cols), b.row_group, ortho_kw)
         # Stacked in the state dtype, cast inside orthogonalize: a cat whose output dtype
         # differs from its inputs' leaves CUDA's one-kernel path for one copy per input.
-        return orthogonalize(b.stack(us, 2), **ortho_kw).to(dtype)
+        # row_major (the compiled maths): tall matrices come out of orthogonalize transposed,
+        # and each layout would be a graph of its own; the cast writes them row-major instead.
+        O = orthogonalize(b.stack(us, 2), **ortho_kw)
+        if not row_major:
+            return O.to(dtype)
+        # .contiguous() too: .to() returns a same-dtype tensor as it is, whatever the format asked
+        return O.to(dtype, memory_format=torch.contiguous_format).contiguous()
 
 
 @dataclass(frozen=True)

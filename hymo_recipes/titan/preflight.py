@@ -115,13 +115,14 @@ def check_optimizer_graph(cfg, *, installed: bool = True) -> None:
         return
     if cfg.name == "AdamW":
         raise ValueError('optimizer.cuda_graph replays HyMo\'s NorMuon and CautiousAdamW steps; optimizer.name = "AdamW" '
-                         "(torch's) is not graphed: drop --optimizer.cuda_graph or pick NorMuon / CautiousAdamW")
+                         "(torch's) is not graphed: turn it off (--optimizer.no-cuda_graph) or pick NorMuon / CautiousAdamW")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise ValueError(f"optimizer.cuda_graph runs on one rank only (the optimizers' collectives are not captured); "
-                         f"this run has {world}: drop --optimizer.cuda_graph")
+                         f"this run has {world}: turn it off (--optimizer.no-cuda_graph)")
     if installed and not torch.cuda.is_available():
-        raise ValueError("optimizer.cuda_graph needs a CUDA GPU and this machine has none: drop --optimizer.cuda_graph")
+        raise ValueError("optimizer.cuda_graph needs a CUDA GPU and this machine has none: turn it off "
+                         "(--optimizer.no-cuda_graph)")
 
 
 def check_optimizer_values(cfg) -> None:

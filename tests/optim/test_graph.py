@@ -34,13 +34,13 @@ def assert_params_close(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "adamw_compiled"])
+@pytest.mark.parametrize("compiled", [False, True, "both"], ids=["eager", "adamw_compiled", "both_compiled"])
 def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
     """What a replay does, without the graph: prepare_graph_step (host counters, this step's lr and
     bias corrections into device scalars), then the step in graph mode (which reads them and
     advances nothing). It must give the eager step's parameters and state at every step of a
     schedule whose lr changes each step: a stale scalar or a counter advanced twice shows."""
-    kw = dict(adamw_compiled=compiled)  # normuon_compiled: the GPU test (a CPU compile costs minutes)
+    kw = dict(adamw_compiled=bool(compiled), normuon_compiled=compiled == "both")
     eager, graphed = make_model(), make_model()
     opts_e, scheds_e = build(eager, **kw)
     opts_g, scheds_g = build(graphed, **kw)
@@ -113,6 +113,9 @@ def test_gpu_graphed_container_equals_the_eager_one(compiled):
     opts_g, scheds_g = build(graphed, cuda_graph=True, **kw)
     assert opts_g.graphed is not None and opts_e.graphed is None
     losses_e = train_steps(eager, opts_e, scheds_e, range(1, 5))
+    # a run compiles for one kind of scalars (the eager step's floats or the graph's device
+    # tensors); two kinds in one process would double the graphs dynamo keeps per function
+    torch._dynamo.reset()
     losses_g = train_steps(graphed, opts_g, scheds_g, range(1, 5))
     assert opts_g.graphed.captures == 1
     assert graphed.layers["0"].attn.unused_proj.weight.grad is None  # no gradient: zeros in the graph
@@ -120,7 +123,9 @@ def test_gpu_graphed_container_equals_the_eager_one(compiled):
     assert_params_close(eager, graphed)
     for opts in (opts_e, opts_g):
         opts.load_state_dict(opts.state_dict())
+    torch._dynamo.reset()
     losses_e += train_steps(eager, opts_e, scheds_e, range(5, 9))
+    torch._dynamo.reset()
     losses_g += train_steps(graphed, opts_g, scheds_g, range(5, 9))
     assert opts_g.graphed.captures == 2
     torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=1e-5, atol=0)

@@ -52,7 +52,11 @@ def test_values_of_the_wrong_type_name_the_field(tmp_path):
             parse_config(["--job.config_file", str(path)])
 
 
-def test_the_configs_pass_and_a_float_field_takes_an_int(tmp_path):
+def test_the_configs_pass_and_a_float_field_takes_an_int(tmp_path, monkeypatch):
+    # what a config asks of the machine's GPU (a CUDA-graphed optimizer step) is not this
+    # machine's to give; the config's own values are checked
+    check_graph = preflight.check_optimizer_graph
+    monkeypatch.setattr(preflight, "check_optimizer_graph", lambda cfg, installed=True: check_graph(cfg, installed=False))
     for toml in sorted((REPO / "train_configs").glob("*.toml")):
         parse_config(["--job.config_file", str(toml)])  # the tests run the Triton backend in the interpreter
     config = parse_config(DEBUG + ["--optimizer.lr", "1"])
@@ -68,7 +72,7 @@ def test_triton_backend_that_cannot_run_fails_before_the_trainer(monkeypatch):
         parse_config(small)
     with pytest.raises(SystemExit, match='gdn_backend "triton" needs'):
         parse_config(DEBUG + ["--hymo.gdn_backend", "triton"])
-    parse_config(small + ["--hymo.gdn_backend", "torch_chunk", "--compile.no-enable"])
+    parse_config(small + ["--hymo.gdn_backend", "torch_chunk", "--compile.no-enable", "--optimizer.no-cuda_graph"])
 
 
 def test_flash_attention_backend_is_checked_before_the_trainer(monkeypatch):
