@@ -17,8 +17,8 @@ class GroupStepOptimizer(Optimizer):
     what changes from step to step on the host (the scheduled lr, CautiousAdamW's step count and
     bias corrections) is then computed by ``prepare_graph_step`` before each replay and written
     into 0-d device tensors that the captured kernels read (``_graph_scalar``); a step run inside
-    ``graph_mode()`` (the capture) neither advances host counters nor bakes host values into the
-    graph."""
+    ``graph_mode()`` (the capture) neither advances host counters nor bakes per-step host values
+    into the graph (what is fixed for a run, betas, eps and weight decay, is)."""
 
     _graph_scalars: dict | None = None  # the device scalars prepare_graph_step writes
     _in_graph = False  # inside graph_mode(): the step reads them

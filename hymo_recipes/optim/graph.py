@@ -9,8 +9,9 @@ to back.
 How: before every step, each optimizer's ``prepare_graph_step`` runs its host half (the
 scheduled lr, CautiousAdamW's step counts and bias corrections) and writes the results into 0-d
 device tensors. The first ``warmup_steps`` steps then run eagerly on a side stream, reading those
-tensors as the capture will (lazy initialisation; torch.compile compiles the optimizers'
-compiled maths for them here, since no compile can run inside a capture). After that the
+tensors as the capture will (torch.compile compiles the optimizers' compiled maths for them
+here, since no compile can run inside a capture; the libraries' workspaces are set up on the
+capture's stream). After that the
 gradients are copied into static buffers (one multi-tensor copy; a parameter without a gradient
 gets zeros, as the eager step gives it); the first time, the optimizers' steps are captured with
 the parameters' ``.grad`` pointing at those buffers; then the graph is replayed. Parameters and
@@ -55,15 +56,20 @@ class GraphedStep:
         self.params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         if any(shard_spec(p).sharded for p in self.params):
             raise ValueError("a CUDA graph of the optimizer step takes parameters sharded over one rank at most")
+        self.warmup_steps = warmup_steps
+        self.captures = 0  # how many times a graph was captured (a test reads it)
+        # the device is checked at the first step, not here: a run that builds the optimizers and
+        # never steps them (TorchTitan's seed checkpoint, on the CPU) must not be refused
+        self.device = self._stream = None
+        self.reset()
+
+    def _find_device(self) -> None:
         devices = {local(p).device for p in self.params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError(f"a CUDA graph of the optimizer step needs every parameter on one CUDA device, "
                              f"got {sorted(str(d) for d in devices)}")
         self.device = next(iter(devices))
-        self.warmup_steps = warmup_steps
-        self.captures = 0  # how many times a graph was captured (a test reads it)
         self._stream = torch.cuda.Stream(self.device)
-        self.reset()
 
     def reset(self) -> None:
         """Drop the graph (the optimizer state tensors were replaced, e.g. by a checkpoint load):
@@ -76,6 +82,8 @@ class GraphedStep:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.device is None:
+            self._find_device()
         for o in self.optimizers:
             o.prepare_graph_step()
         if self._eager_left > 0:

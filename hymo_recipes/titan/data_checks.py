@@ -27,13 +27,17 @@ from hymo_recipes.titan.api import DATASETS, logger
 REPEAT_KNOB = "--hymo.allow_data_repeat"
 
 
+def process_count(config) -> int:
+    """How many processes the run has: torchrun's WORLD_SIZE, or NGPU under a fake comm mode."""
+    if config.comm.mode in ("fake_backend", "local_tensor"):
+        return int(os.environ.get("NGPU", "1"))
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def dp_degree(config) -> int:
     """The data-parallel degree the Trainer will use: the process count (torchrun's WORLD_SIZE,
     NGPU under a fake comm mode) over the tensor, pipeline and context parallel degrees."""
-    if config.comm.mode in ("fake_backend", "local_tensor"):
-        world = int(os.environ.get("NGPU", "1"))
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = process_count(config)
     p = config.parallelism
     other = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
     if other < 1 or world % other:

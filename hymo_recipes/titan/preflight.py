@@ -72,7 +72,7 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         documents.masked(config, validation=True)  # a bad validation_document_masking, in one line
         from hymo_recipes.model import hymo_flavors
         from hymo_recipes.scheduler import wsd_schedule
-        from hymo_recipes.titan.data_checks import check_data, dp_degree
+        from hymo_recipes.titan.data_checks import check_data, dp_degree, process_count
         from hymo_recipes.titan.datasets import load_tokenizer, set_vocab_size
         from hymo_recipes.titan.parallelize import check_compile_backend
 
@@ -87,10 +87,11 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         args.update_from_config(config)
         check_flash_attention(args.mla_flex_options, config.debug.deterministic, installed=this_machine)
         if this_machine:
-            check_gdn_backend_runs(args.gdn_backend)
+            check_gdn_backend_runs(args.gdn_backend, cuda_graph=getattr(config.optimizer, "cuda_graph", False))
             check_compile_backend(config, args.gdn_backend)
         check_optimizer_values(config.optimizer)
-        check_optimizer_graph(config.optimizer, installed=this_machine)
+        check_optimizer_graph(config.optimizer, installed=this_machine, processes=process_count(config),
+                              cpu_offload=config.training.enable_cpu_offload)
         wsd_schedule(config.lr_scheduler, config.training.steps)
         check_data(config, tokenizer, dp_degree(config))
     else:
@@ -108,18 +109,22 @@ NONNEGATIVE = ("lr", "normuon_lr", "eps", "normuon_eps", "weight_decay", "normuo
 BELOW_ONE = ("beta1", "beta2", "normuon_momentum", "normuon_beta2")
 
 
-def check_optimizer_graph(cfg, *, installed: bool = True) -> None:
+def check_optimizer_graph(cfg, *, installed: bool = True, processes: int | None = None, cpu_offload: bool = False) -> None:
     """[optimizer] cuda_graph's limits (hymo_recipes/optim/graph.py), in one line each; ``installed``:
-    also whether this machine has a CUDA GPU."""
+    also whether this machine has a CUDA GPU; ``processes``: the run's process count (default
+    WORLD_SIZE); ``cpu_offload``: training.enable_cpu_offload (parameters on the CPU)."""
     if not getattr(cfg, "cuda_graph", False):
         return
     if cfg.name == "AdamW":
         raise ValueError('optimizer.cuda_graph replays HyMo\'s NorMuon and CautiousAdamW steps; optimizer.name = "AdamW" '
                          "(torch's) is not graphed: turn it off (--optimizer.no-cuda_graph) or pick NorMuon / CautiousAdamW")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1")) if processes is None else processes
     if world > 1:
         raise ValueError(f"optimizer.cuda_graph runs on one rank only (the optimizers' collectives are not captured); "
                          f"this run has {world}: turn it off (--optimizer.no-cuda_graph)")
+    if cpu_offload:
+        raise ValueError("optimizer.cuda_graph replays the step on the GPU and training.enable_cpu_offload keeps the "
+                         "parameters on the CPU: turn one off (--optimizer.no-cuda_graph)")
     if installed and not torch.cuda.is_available():
         raise ValueError("optimizer.cuda_graph needs a CUDA GPU and this machine has none: turn it off "
                          "(--optimizer.no-cuda_graph)")
@@ -137,9 +142,10 @@ def check_optimizer_values(cfg) -> None:
         raise ValueError(f"optimizer.normuon_ns_steps = {cfg.normuon_ns_steps} must be at least 1")
 
 
-def check_gdn_backend_runs(backend: str) -> None:
+def check_gdn_backend_runs(backend: str, *, cuda_graph: bool = False) -> None:
     """Raises ValueError if this machine cannot run the GDN backend (the Triton kernel needs a
-    GPU and a working Triton)."""
+    GPU and a working Triton); ``cuda_graph``: the config also graphs the optimizer step, which
+    the advice for a machine without a GPU then turns off too."""
     if backend != "triton":
         return
     import torch
@@ -147,8 +153,9 @@ def check_gdn_backend_runs(backend: str) -> None:
     from hymo_kernels.gdn.chunk import unavailable
 
     if why := unavailable("cuda" if torch.cuda.is_available() else "cpu"):
+        graph = " and --optimizer.no-cuda_graph" if cuda_graph else ""
         raise ValueError(f'gdn_backend "triton" {why}. Without a GPU use --hymo.gdn_backend torch_chunk '
-                         "(and --compile.no-enable: that backend is not compiled)")
+                         f"(and --compile.no-enable: that backend is not compiled{graph})")
 
 
 def check_flash_attention(flex_options: str, deterministic: bool, *, installed: bool = True) -> None:

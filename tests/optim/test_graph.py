@@ -93,8 +93,9 @@ def test_graph_mode_step_reads_the_prepared_lr():
 def test_graphed_step_refuses_the_cpu_and_other_optimizers():
     model = make_model()
     opts, _ = build(model)
+    graphed = GraphedStep(opts.optimizers)  # built without a step (a seed checkpoint): not refused
     with pytest.raises(ValueError, match=r"needs every parameter on one CUDA device, got \['cpu'\]"):
-        GraphedStep(opts.optimizers)
+        graphed.step()
     with pytest.raises(ValueError, match=r"takes HyMo's NorMuon and CautiousAdamW, not \['AdamW'\]"):
         GraphedStep([torch.optim.AdamW(model.parameters())])
 

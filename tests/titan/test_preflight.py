@@ -56,7 +56,8 @@ def test_the_configs_pass_and_a_float_field_takes_an_int(tmp_path, monkeypatch):
     # what a config asks of the machine's GPU (a CUDA-graphed optimizer step) is not this
     # machine's to give; the config's own values are checked
     check_graph = preflight.check_optimizer_graph
-    monkeypatch.setattr(preflight, "check_optimizer_graph", lambda cfg, installed=True: check_graph(cfg, installed=False))
+    monkeypatch.setattr(preflight, "check_optimizer_graph", lambda cfg, installed=True, **kw: check_graph(cfg, **kw,
+                                                                                                         installed=False))
     for toml in sorted((REPO / "train_configs").glob("*.toml")):
         parse_config(["--job.config_file", str(toml)])  # the tests run the Triton backend in the interpreter
     config = parse_config(DEBUG + ["--optimizer.lr", "1"])
@@ -68,7 +69,8 @@ def test_triton_backend_that_cannot_run_fails_before_the_trainer(monkeypatch):
 
     monkeypatch.setattr(chunk, "unavailable", lambda device_type: f"needs CUDA tensors (got {device_type})")
     small = ["--job.config_file", str(REPO / "train_configs" / "hymo_small.toml")]
-    with pytest.raises(SystemExit, match='gdn_backend "triton" needs CUDA tensors.*--hymo.gdn_backend torch_chunk'):
+    with pytest.raises(SystemExit, match='gdn_backend "triton" needs CUDA tensors.*--hymo.gdn_backend torch_chunk'
+                                         ".* and --optimizer.no-cuda_graph"):  # the config graphs its optimizer step
         parse_config(small)
     with pytest.raises(SystemExit, match='gdn_backend "triton" needs'):
         parse_config(DEBUG + ["--hymo.gdn_backend", "triton"])
@@ -113,9 +115,19 @@ def test_optimizer_cuda_graph_is_checked_before_the_trainer(monkeypatch):
     with pytest.raises(ValueError, match=r'name = "AdamW" \(torch\'s\) is not graphed'):
         preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "name": "AdamW"}), installed=False)
     preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "normuon_compiled": True}), installed=False)
+    with pytest.raises(ValueError, match="enable_cpu_offload keeps the parameters on the CPU"):
+        preflight.check_optimizer_graph(ok, installed=False, cpu_offload=True)
+    with pytest.raises(ValueError, match="runs on one rank only .*this run has 4"):
+        preflight.check_optimizer_graph(ok, installed=False, processes=4)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="runs on one rank only .*this run has 2"):
         preflight.check_optimizer_graph(ok, installed=False)
+    # a fake comm mode's processes are NGPU's, which the config check counts
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("NGPU", "2")
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit, match="runs on one rank only .*this run has 2"):
+        parse_config(DEBUG + ["--optimizer.cuda_graph", "--comm.mode", "fake_backend"])
 
 
 def test_rope_table_reaches_the_validation_length():
