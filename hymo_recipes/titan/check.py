@@ -8,7 +8,8 @@ and the checkpoint a resume would load), builds the model on the meta device (no
 builds the optimizers on it (the partition: tensors and parameters per optimizer) and prints a
 memory estimate per GPU under FSDP2 at the run's process count: parameters, gradients and
 optimizer states, sharded over the data-parallel ranks, plus the gathered parameters: two blocks
-when FSDP reshards after the forward, every block when it does not (one rank, by default); and
+when FSDP reshards after the forward, every block when it does not (one rank, by default), and
+with ``optimizer.cuda_graph`` its static copy of the gradients (not its pool of temporaries); and
 the activations (``activation_bytes``): what eager autograd saves for the backward, measured by
 running one block of each kind, and the final norm, MTP heads, tied head and loss, on meta
 tensors of the run's [local_batch_size, seq_len] in training.mixed_precision_param, under
@@ -298,7 +299,9 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
         gather_bytes, gathers = numel * gathered, "gathered copies kept for the backward"
     # gradients summed unsharded over a step's microbatches (fsdp_sync_once_per_step), in the reduction dtype
     sums = numel * TORCH_DTYPE_MAP[config.training.mixed_precision_reduce].itemsize if sync_once else 0
-    total = (2 * p_bytes + o_bytes) / dp + gather_bytes + sums
+    # optimizer.cuda_graph (one rank) replays the step from a static copy of the gradients
+    graph = p_bytes / dp if getattr(getattr(config, "optimizer", None), "cuda_graph", False) else 0
+    total = (2 * p_bytes + o_bytes) / dp + gather_bytes + sums + graph
     t = config.training
     act = activation_bytes(model, config)
     tokens = t.local_batch_size * t.seq_len
@@ -308,6 +311,8 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
             f"gradients {_size(p_bytes / dp)}, optimizer states {_size(o_bytes / dp)}, {gathers} "
             f"{_size(gather_bytes)} ({t.mixed_precision_param})"
             + (f", unsharded gradient sums {_size(sums)} ({t.mixed_precision_reduce})" if sums else "")
+            + (f", the CUDA-graphed optimizer step's gradient copy {_size(graph)} (its pool of the step's "
+               "temporaries apart)" if graph else "")
             + f"; {_size(total)} in all, activations apart (next line)",
             f"HyMo activations per GPU, eager autograd's saved tensors for {t.local_batch_size} x {t.seq_len:,} tokens "
             f"in {t.mixed_precision_param} (activation_checkpoint {config.activation_checkpoint.mode}: "

@@ -267,6 +267,12 @@ def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, units, accu
     assert (f"unsharded gradient sums {n * 4 / (1 << 20):.1f} MiB (float32)" in line) == sums, line
     total = (2 * n * 4) / dp + gathered + (n * 4 if sums else 0)
     assert f"{total / (1 << 20):.1f} MiB in all" in line, line
+    assert "gradient copy" not in line, line
+    if dp == 1:  # optimizer.cuda_graph: a static copy of the (fp32) gradients besides them
+        config.optimizer = SimpleNamespace(cuda_graph=True)
+        line, _activations = memory_lines(model, {}, config, dp)
+        assert f"the CUDA-graphed optimizer step's gradient copy {n * 4 / (1 << 20):.1f} MiB" in line, line
+        assert f"{(total + n * 4) / (1 << 20):.1f} MiB in all" in line, line
 
 
 def test_check_mode_passes_the_750m_config_on_a_cpu_in_little_memory(tmp_path):
