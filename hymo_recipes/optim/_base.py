@@ -57,6 +57,10 @@ class GroupStepOptimizer(Optimizer):
                         t = self._graph_scalars[key] = torch.empty((), dtype=dtype, device=device)
                     t.fill_(value)
 
+    def prepare_capture(self) -> None:
+        """Right before the capture, with ``p.grad`` the graph's static buffers: whatever the step
+        would otherwise set up on the device from the host inside the capture (none by default)."""
+
     def end_graph(self) -> None:
         """Forget the device scalars (the graph was dropped, e.g. after a checkpoint load)."""
         self._graph_scalars = None

@@ -137,6 +137,8 @@ class GraphedStep:
             p.grad = (DTensor.from_local(s, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                          stride=p.stride()) if isinstance(p, DTensor) else s)
         try:
+            for o in self.optimizers:
+                o.prepare_capture()
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the data prefetch thread keeps copying batches while the step is captured

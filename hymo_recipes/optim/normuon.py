@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import hymo_kernels.normuon.fused as normuon_kernels
 from hymo_recipes.optim._base import GroupStepOptimizer
 from hymo_recipes.optim._dist import (
     all_reduce_sum,
@@ -98,31 +99,47 @@ def orthogonalize(
         dtype (torch.dtype):
             Arithmetic dtype of the iteration; the result has this dtype. Default: ``bfloat16``.
     """
-    if method not in _ORTHOGONALIZERS:
-        raise ValueError(f"orthogonalizer must be one of {_ORTHOGONALIZERS}, got {method!r}")
     shape = x.shape
     X = x.reshape(-1, shape[-2], shape[-1]).to(dtype)
     # Iterate on the wide orientation: the Gram matrix X Xᵀ is then min(m, n) square.
     transposed = shape[-2] > shape[-1]
     if transposed:
         X = X.mT
-    norm = X.norm(dim=(-2, -1), keepdim=True)
+    coeffs, margin, eps = _iteration(method, steps)
+    X = _iterate(X / (X.norm(dim=(-2, -1), keepdim=True) * margin + eps), coeffs)
+    if transposed:
+        X = X.mT
+    return X.reshape(shape)
+
+
+def orthogonalize_packed(X: Tensor, sumsq: Tensor, *, steps: int = 5, method: str = "polar_express") -> Tensor:
+    """``orthogonalize`` of matrices already cast and laid out for the iteration: X [B, a, b] with
+    a ≤ b in the iteration's dtype, ``sumsq`` [B] the squared Frobenius norms of the values X was
+    cast from (the fused momentum pass gives both, hymo_kernels.normuon). Returns [B, a, b]."""
+    coeffs, margin, eps = _iteration(method, steps)
+    scale = (sumsq.sqrt() * margin + eps).to(X.dtype).view(-1, 1, 1)
+    return _iterate(X / scale, coeffs)
+
+
+def _iteration(method: str, steps: int) -> tuple[list[tuple[float, float, float]], float, float]:
+    """(coefficients per step, norm margin, eps): X / (‖X‖_F · margin + eps) starts the iteration."""
+    if method not in _ORTHOGONALIZERS:
+        raise ValueError(f"orthogonalizer must be one of {_ORTHOGONALIZERS}, got {method!r}")
     if method == "quintic":
-        X = X / (norm + 1e-7)
-        coeffs = [QUINTIC_COEFFS] * steps
-    else:
-        # 1.02: Polar Express's safety margin, keeps the top singular value inside the
-        # interval the polynomials were optimised for despite bf16 rounding.
-        X = X / (norm * 1.02 + 1e-6)
-        coeffs = list(POLAR_EXPRESS_COEFFS[:steps])
-        coeffs += [POLAR_EXPRESS_COEFFS[-1]] * (steps - len(coeffs))
+        return [QUINTIC_COEFFS] * steps, 1.0, 1e-7
+    # 1.02: Polar Express's safety margin, keeps the top singular value inside the interval
+    # the polynomials were optimised for despite bf16 rounding.
+    coeffs = list(POLAR_EXPRESS_COEFFS[:steps])
+    coeffs += [POLAR_EXPRESS_COEFFS[-1]] * (steps - len(coeffs))
+    return coeffs, 1.02, 1e-6
+
+
+def _iterate(X: Tensor, coeffs: list[tuple[float, float, float]]) -> Tensor:
     for a, b, c in coeffs:
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
-    if transposed:
-        X = X.mT
-    return X.reshape(shape)
+    return X
 
 
 def update_scale_factor(kind: str, fan_out: int, fan_in: int) -> float:
@@ -188,6 +205,15 @@ class NorMuon(GroupStepOptimizer):
             under ``torch.compile``: a few fused kernels per batch instead of ~15 passes over
             the update. Same maths as eager up to float rounding; a one-off compile. Default:
             ``False`` (eager is already batched, and compiling costs seconds on CPU).
+        fused (bool):
+            Run the passes over the update as HyMo's Triton kernels (hymo_kernels.normuon): the
+            momentum, the Nesterov input and the cast into the orthogonalisation's input in one
+            launch per batch, reading the gradients and momentum buffers where they are; the
+            neuron norm's row sums in one; the rescale, cautious decay and update in one, writing
+            the parameters in place. Same maths as eager up to float rounding. CUDA (or Triton's
+            interpreter), fp32 state, a bf16 or fp32 orthogonalisation; not with ``compiled``.
+            Row-sharded matrices (FSDP over several ranks) keep the PyTorch passes around their
+            all-to-all. Default: ``False``.
 
     State (created for every parameter at construction, fp32 (fp64 for fp64 params), sharded
     like the parameter so DCP sees the same keys on every rank): ``momentum_buffer`` (shape of p) and ``neuron_v``
@@ -211,7 +237,10 @@ class NorMuon(GroupStepOptimizer):
         update_scale: str = "jordan",
         ortho_dtype: str | torch.dtype = "bfloat16",
         compiled: bool = False,
+        fused: bool = False,
     ) -> None:
+        if compiled and fused:
+            raise ValueError("NorMuon: compiled and fused are two ways to run the same passes; pick one")
         if isinstance(ortho_dtype, torch.dtype):
             ortho_dtype = str(ortho_dtype).removeprefix("torch.")
         defaults = dict(
@@ -230,13 +259,16 @@ class NorMuon(GroupStepOptimizer):
             ortho_dtype=ortho_dtype,
         )
         self._check_hparams(defaults)
-        # Not a param-group value: it changes no number and must not go into checkpoints.
-        self._init_helpers(compiled)
+        # Not param-group values: they change no number and must not go into checkpoints.
+        self._init_helpers(compiled, fused)
         super().__init__(params, defaults)
 
-    def _init_helpers(self, compiled: bool) -> None:
+    def _init_helpers(self, compiled: bool, fused: bool = False) -> None:
         self._compiled = compiled
+        self._fused = fused
         self._batch_cache: dict[tuple, list[_Batch]] = {}
+        # the fused kernels' address tables, by (group, batch, tensor kind): (addresses, table)
+        self._tables: dict[tuple, tuple[tuple[int, ...], Tensor]] = {}
         self._stats_fn, self._apply_fn = _neuron_stats, _apply_update
         if compiled:
             # dynamic=True: one graph serves every matrix shape (a flavor has 10+ shapes, more
@@ -294,6 +326,9 @@ class NorMuon(GroupStepOptimizer):
             if torch.is_complex(p):
                 raise ValueError("NorMuon does not support complex parameters")
             shard_spec(p)  # refuses unsupported layouts now rather than at the first step
+            if self._fused and (p.dtype == torch.float64 or group["ortho_dtype"] == "float64"):
+                raise ValueError("NorMuon(fused=True) runs fp32 state and a bf16 or fp32 orthogonalisation; "
+                                 "fp64 parameters or ortho_dtype take the PyTorch passes (fused=False)")
             # Pre-created so that DCP sees identical keys on every rank and torch's
             # "zero-grad step at lr 0" on load (state_dict._init_optim_state) never runs.
             state = self.state[p]
@@ -340,34 +375,32 @@ class NorMuon(GroupStepOptimizer):
             dtype=_ORTHO_DTYPES[group["ortho_dtype"]],
         )
         params = group["params"]
-        batches = self._batches(params)
-
-        # Local shards as flat lists, so that the per-tensor maths below is one multi-tensor
-        # (foreach) op for the whole group or one op per batch, never one op per parameter.
-        ms, gs, vs, ws = [], [], [], []
-        for p in params:
-            st = self.state[p]
-            m = local(st["momentum_buffer"])
-            g = local(p.grad)
-            if g is None:
-                # Zero, not skip: a skip on one rank would leave the others in a collective.
-                g = torch.zeros_like(m)
-            elif g.dtype != m.dtype:
-                g = g.to(m.dtype)
-            ms.append(m)
-            gs.append(g)
-            vs.append(local(st["neuron_v"]))
-            ws.append(local(p))
+        batches = list(enumerate(self._batches(params)))
+        ms, gs, vs, ws = self._local_lists(params)
+        if self._fused:
+            for j, b in batches:
+                if b.row_group is None:
+                    self._fused_batch(group, index, j, b, ms, gs, vs, ws, lr, lr_wd, apply_wd)
+            batches = [(j, b) for j, b in batches if b.row_group is not None]
+            if not batches:
+                return
+        # the parameters of the batches left to the PyTorch passes (every one unless fused)
+        sub = sorted(i for _, b in batches for i in b.idxs) if self._fused else range(len(params))
+        ms_t = [ms[i] for i in sub]
+        gs_t = [gs[i] if gs[i].dtype == ms[i].dtype else gs[i].to(ms[i].dtype) for i in sub]
 
         # 1. Momentum and Nesterov input (fp32). Out of place for Nesterov: never write into
         # p.grad (it may alias a reduce-scatter buffer).
-        torch._foreach_lerp_(ms, gs, 1.0 - beta1)
-        us = torch._foreach_lerp(gs, ms, beta1) if group["nesterov"] else ms
-        del gs
+        torch._foreach_lerp_(ms_t, gs_t, 1.0 - beta1)
+        us_t = torch._foreach_lerp(gs_t, ms_t, beta1) if group["nesterov"] else ms_t
+        us: list[Tensor | None] = [None] * len(params)
+        for i, u in zip(sub, us_t):
+            us[i] = u
+        del gs, gs_t, us_t
 
         # 2. Orthogonalise whole matrices, one stacked [B, m, k] tensor per batch; everything
         # after stays stacked (no split into per-parameter pieces until the final write-back).
-        Os = [self._orthogonalize_batch(b, us, ortho_kw, self._compiled) for b in batches]
+        Os = [self._orthogonalize_batch(b, us, ortho_kw, self._compiled) for _, b in batches]
         del us
 
         # 3. Neuron second moment on local rows (rows are output neurons) and the squared
@@ -375,24 +408,22 @@ class NorMuon(GroupStepOptimizer):
         stats: list[tuple[Tensor, Tensor] | None] = [None] * len(batches)
         if group["neuron_norm"]:
             v_dst, v_src = [], []
-            for j, (b, O) in enumerate(zip(batches, Os)):
+            for n, ((_, b), O) in enumerate(zip(batches, Os)):
                 V, d, sq = self._stats_fn(O, b.stack(vs, 1), beta2, eps)
-                stats[j] = (d, sq)
+                stats[n] = (d, sq)
                 v_dst += [vs[i] for i in b.idxs]
                 v_src += b.unstack(V)
             torch._foreach_copy_(v_dst, v_src)
-            _all_reduce_row_sums(batches, stats)
+            _all_reduce_row_sums([b for _, b in batches], stats)
 
         # 4. Rescale, cautious decoupled weight decay and the scaled update on a stacked copy
         # of W, one multi-tensor copy back per batch (per batch, not once at the end, so that
         # only one batch's O and W copies are alive at a time: with the experts on NorMuon
         # they are GBs).
-        for j, b in enumerate(batches):
-            s = update_scale_factor(group["update_scale"], b.rows_global, b.cols)
-            lr_s = lr * s if index is None else self._graph_scalar(("lr_s", index, j))
-            lr_s = self._compiled_scalar(lr_s, params)
-            d, sq = stats[j] if stats[j] is not None else (None, None)
-            O = Os[j]
+        for n, (j, b) in enumerate(batches):
+            lr_s = self._lr_s(group, index, j, b, lr)
+            d, sq = stats[n] if stats[n] is not None else (None, None)
+            O = Os[n]
             for mem, mat in b.chunks(O.device):
                 W = self._apply_fn(
                     O[mat], b.stack(ws, 2, mem), None if d is None else d[mat],
@@ -400,16 +431,103 @@ class NorMuon(GroupStepOptimizer):
                     group["cautious_wd"],
                 )
                 torch._foreach_copy_([ws[i] for i in b.idxs[mem]], b.unstack(W, mem))
-            Os[j] = stats[j] = O = None
+            Os[n] = stats[n] = O = None
+
+    def _local_lists(self, params: list[Tensor]) -> tuple[list[Tensor], ...]:
+        """Momentum buffers, gradients (their own dtype; zeros for a parameter without one),
+        neuron second moments and weights: local shards as flat lists, so that the per-tensor
+        maths is one multi-tensor (foreach) op for the whole group or one op (or launch) per
+        batch, never one op per parameter."""
+        ms, gs, vs, ws = [], [], [], []
+        for p in params:
+            st = self.state[p]
+            m = local(st["momentum_buffer"])
+            g = local(p.grad)
+            # Zero, not skip: a skip on one rank would leave the others in a collective.
+            gs.append(torch.zeros_like(m) if g is None else g)
+            ms.append(m)
+            vs.append(local(st["neuron_v"]))
+            ws.append(local(p))
+        return ms, gs, vs, ws
+
+    def _lr_s(self, group: dict[str, Any], index: int | None, j: int, b: _Batch, lr: float | Tensor):
+        """lr·s of batch j: formed here, or, inside a CUDA graph, the device scalar of its host half."""
+        s = update_scale_factor(group["update_scale"], b.rows_global, b.cols)
+        lr_s = lr * s if index is None else self._graph_scalar(("lr_s", index, j))
+        return self._compiled_scalar(lr_s, group["params"])
+
+    def _fused_batch(self, group: dict[str, Any], index: int | None, j: int, b: _Batch, ms, gs, vs, ws,
+                     lr: float | Tensor, lr_wd: float | Tensor, apply_wd: bool) -> None:
+        """One whole-matrix batch through the fused kernels (hymo_kernels.normuon): momentum and
+        cast in one launch, the orthogonalisation's GEMMs, the row norms in one launch, then the
+        rescale, decay and update of the parameters in place in one."""
+        m, k = b.rows, b.cols
+        transposed = m > k  # the iteration runs on the wide orientation
+        grads, moms, weights = ([xs[i] for i in b.idxs] for xs in (gs, ms, ws))
+        if len({g.dtype for g in grads}) > 1:  # a zero-filled stand-in beside bf16 gradients
+            grads = [g.float() for g in grads]
+        g_tab, m_tab, w_tab = self._batch_tables(group, j, b, grads, moms, weights)
+        B = sum(b.counts)
+        X = torch.empty((B, k, m) if transposed else (B, m, k), dtype=_ORTHO_DTYPES[group["ortho_dtype"]],
+                        device=moms[0].device)
+        sumsq = normuon_kernels.momentum_pack_(grads, moms, X, group["momentum"], group["nesterov"], transposed,
+                                               tables=(g_tab, m_tab))
+        X = orthogonalize_packed(X, sumsq, steps=group["ns_steps"], method=group["orthogonalizer"])
+        factor = None
+        if group["neuron_norm"]:
+            V, d, sq = _stats_from_rowsq(normuon_kernels.row_sumsq(X, transposed), b.stack(vs, 1), group["beta2"],
+                                         group["eps"], k)
+            torch._foreach_copy_([vs[i] for i in b.idxs], b.unstack(V))
+            # clamp: an all-zero update (zero grad and momentum) stays exactly zero
+            factor = ((sq[0] / sq[1].clamp_min(1e-30)).sqrt().unsqueeze(-1) / d).contiguous()
+        normuon_kernels.apply_update_(X, factor, weights, self._lr_s(group, index, j, b, lr), lr_wd, apply_wd,
+                                      group["cautious_wd"], transposed, w_table=w_tab)
+
+    def _batch_tables(self, group: dict[str, Any], j: int, b: _Batch, grads, moms, weights) -> list[Tensor]:
+        """The address tables of batch j's gradients, momentum buffers and weights, rebuilt only
+        when an address changed (the gradients may move between steps; under a CUDA graph they
+        are its static buffers, whose tables ``prepare_capture`` builds before the capture: a copy
+        to the device cannot be captured from pageable memory, and none is needed)."""
+        out = []
+        for kind, members in (("g", grads), ("m", moms), ("w", weights)):
+            key, ptrs = (id(group), j, kind), tuple(t.data_ptr() for t in members)
+            hit = self._tables.get(key)
+            if hit is None or hit[0] != ptrs:
+                if members[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("NorMuon(fused=True): an address table was not built before the CUDA graph's "
+                                       "capture (GraphedStep calls prepare_capture first)")
+                hit = self._tables[key] = (ptrs, normuon_kernels.address_table(members, b.rows, b.cols,
+                                                                              members[0].device))
+            out.append(hit[1])
+        return out
+
+    def prepare_capture(self) -> None:
+        """Before a CUDA graph captures the step (``p.grad`` already the graph's static buffers):
+        the fused kernels' address tables for them, built outside the capture."""
+        if not self._fused:
+            return
+        for group in self.param_groups:
+            if not group["params"]:
+                continue
+            ms, gs, _, ws = self._local_lists(group["params"])
+            for j, b in enumerate(self._batches(group["params"])):
+                if b.row_group is None:
+                    grads = [gs[i] for i in b.idxs]
+                    if len({g.dtype for g in grads}) > 1:
+                        continue  # rebuilt per step from float copies: nothing stable to table
+                    self._batch_tables(group, j, b, grads, [ms[i] for i in b.idxs], [ws[i] for i in b.idxs])
 
     def _compiled_scalar(self, x: float | Tensor, params: list[Tensor]) -> float | Tensor:
-        """lr·s and lr·wd for the compiled maths: always a 0-d tensor in the state dtype, the type
+        """lr·s and lr·wd for the compiled maths and the fused kernels (which read them from device
+        memory): always a 0-d tensor in the state dtype, the type
         a CUDA graph's device scalars have, so that eager and graphed steps share compiled graphs
         (a float and a tensor are two guards, and dynamo keeps at most 8 graphs per function).
         Eager maths keeps the float."""
-        if not self._compiled or isinstance(x, Tensor):
+        if not (self._compiled or self._fused):
             return x
         p = local(params[0])
+        if isinstance(x, Tensor):  # the kernels read an fp32 scalar on the parameters' device
+            return x.to(p.device, _state_dtype(p)) if self._fused else x
         return torch.full((), float(x), dtype=_state_dtype(p), device=p.device)
 
     @staticmethod
@@ -524,8 +642,12 @@ def _neuron_stats(O: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tenso
     from the same row sums, not a second pass over O. Both equal the textbook formulas up to
     float rounding and summation order.
     """
-    rowsq = torch.linalg.vector_norm(O, dim=-1).square()
-    v = v.lerp(rowsq / O.shape[-1], 1.0 - beta2)
+    return _stats_from_rowsq(torch.linalg.vector_norm(O, dim=-1).square(), v, beta2, eps, O.shape[-1])
+
+
+def _stats_from_rowsq(rowsq: Tensor, v: Tensor, beta2: float, eps: float, cols: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``_neuron_stats`` from the row sums of O² ([B, m]) and O's column count."""
+    v = v.lerp(rowsq / cols, 1.0 - beta2)
     d = v.sqrt() + eps
     sq = torch.stack([rowsq.sum(dim=-1), (rowsq / d.square()).sum(dim=-1)])
     return v, d, sq

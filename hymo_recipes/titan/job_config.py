@@ -167,6 +167,11 @@ class Optimizer:
     normuon_compiled: bool = False
     """Run NorMuon's per-shape elementwise maths under torch.compile (a one-off compile at the
     first step). Faster alone, no gain in 750m training (BENCHMARKS.md)."""
+    normuon_fused: bool = False
+    """Run NorMuon's passes over the update (momentum and cast; row norms; rescale, cautious
+    decay and update) as HyMo's Triton kernels, one launch each per shape, reading and writing
+    the gradients, states and parameters in place (hymo_kernels.normuon). CUDA only; not with
+    normuon_compiled."""
 
     adamw_cautious_update: bool = True
     adamw_cautious_wd: bool = True

@@ -323,7 +323,7 @@ _REQUIRED_FIELDS = (
     "name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "normuon_lr",
     "normuon_momentum", "normuon_beta2", "normuon_eps", "normuon_weight_decay",
     "normuon_cautious_wd", "normuon_neuron_norm", "normuon_nesterov", "normuon_ns_steps",
-    "normuon_orthogonalizer", "normuon_update_scale", "normuon_ortho_dtype", "normuon_compiled",
+    "normuon_orthogonalizer", "normuon_update_scale", "normuon_ortho_dtype", "normuon_compiled", "normuon_fused",
     "adamw_cautious_update", "adamw_cautious_wd", "adamw_compiled", "embed_weight_decay",
     "moe_on_normuon", "consecutive_nan_limit", "inject_nan_steps",
 )
@@ -403,6 +403,7 @@ def optimizers_for_part(part: nn.Module, cfg) -> dict[str, Optimizer]:
             update_scale=cfg.normuon_update_scale,
             ortho_dtype=cfg.normuon_ortho_dtype,
             compiled=cfg.normuon_compiled,
+            fused=cfg.normuon_fused,
         )
     if groups.get(CAUTIOUS_ADAMW):
         out[CAUTIOUS_ADAMW] = CautiousAdamW(

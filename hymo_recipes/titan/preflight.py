@@ -92,6 +92,7 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         check_optimizer_values(config.optimizer)
         check_optimizer_graph(config.optimizer, installed=this_machine, processes=process_count(config),
                               cpu_offload=config.training.enable_cpu_offload)
+        check_normuon_fused(config.optimizer, installed=this_machine, cpu_offload=config.training.enable_cpu_offload)
         wsd_schedule(config.lr_scheduler, config.training.steps)
         check_data(config, tokenizer, dp_degree(config))
     else:
@@ -128,6 +129,24 @@ def check_optimizer_graph(cfg, *, installed: bool = True, processes: int | None 
     if installed and not torch.cuda.is_available():
         raise ValueError("optimizer.cuda_graph needs a CUDA GPU and this machine has none: turn it off "
                          "(--optimizer.no-cuda_graph)")
+
+
+def check_normuon_fused(cfg, *, installed: bool = True, cpu_offload: bool = False) -> None:
+    """[optimizer] normuon_fused's limits (hymo_kernels.normuon), in one line each; ``installed``:
+    also whether this machine has a CUDA GPU."""
+    if not getattr(cfg, "normuon_fused", False):
+        return
+    off = "turn it off (--optimizer.no-normuon_fused)"
+    if getattr(cfg, "normuon_compiled", False):
+        raise ValueError("optimizer.normuon_fused and normuon_compiled are two ways to run NorMuon's passes: "
+                         "pick one (--optimizer.no-normuon_compiled or --optimizer.no-normuon_fused)")
+    if getattr(cfg, "normuon_ortho_dtype", "bfloat16") == "float64":
+        raise ValueError(f"optimizer.normuon_fused runs a bf16 or fp32 orthogonalisation, not float64: {off}")
+    if cpu_offload:
+        raise ValueError(f"optimizer.normuon_fused runs on the GPU and training.enable_cpu_offload keeps the "
+                         f"parameters on the CPU: {off}")
+    if installed and not torch.cuda.is_available():
+        raise ValueError(f"optimizer.normuon_fused runs Triton kernels on a CUDA GPU and this machine has none: {off}")
 
 
 def check_optimizer_values(cfg) -> None:

@@ -34,13 +34,15 @@ def assert_params_close(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("compiled", [False, True, "both"], ids=["eager", "adamw_compiled", "both_compiled"])
+@pytest.mark.parametrize("compiled", [False, True, "both", "fused"],
+                         ids=["eager", "adamw_compiled", "both_compiled", "normuon_fused"])
 def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
     """What a replay does, without the graph: prepare_graph_step (host counters, this step's lr and
     bias corrections into device scalars), then the step in graph mode (which reads them and
     advances nothing). It must give the eager step's parameters and state at every step of a
     schedule whose lr changes each step: a stale scalar or a counter advanced twice shows."""
-    kw = dict(adamw_compiled=bool(compiled), normuon_compiled=compiled == "both")
+    kw = (dict(normuon_fused=True) if compiled == "fused"
+          else dict(adamw_compiled=bool(compiled), normuon_compiled=compiled == "both"))
     eager, graphed = make_model(), make_model()
     opts_e, scheds_e = build(eager, **kw)
     opts_g, scheds_g = build(graphed, **kw)
@@ -52,6 +54,7 @@ def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
             o.step()
         for o in opts_g.optimizers:
             o.prepare_graph_step()
+            o.prepare_capture()  # the fused kernels' address tables, as before a capture
             assert not o.in_graph
             with o.graph_mode():
                 assert o.in_graph
@@ -101,14 +104,16 @@ def test_graphed_step_refuses_the_cpu_and_other_optimizers():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, True, "fused"], ids=["eager", "compiled", "fused"])
 def test_gpu_graphed_container_equals_the_eager_one(compiled):
     """The container with cuda_graph on, against the same run without: a warm-up step, the capture,
     replays through a schedule whose lr changes each step, a parameter without a gradient, and a
     state load in the middle (the graph is dropped and captured again). ``compiled``: both
     optimizers' maths under torch.compile, compiled in the warm-up for the graph's device scalars
-    (a compile inside the capture would fail it)."""
-    kw = dict(normuon_compiled=compiled, adamw_compiled=compiled)
+    (a compile inside the capture would fail it). ``"fused"``: NorMuon's fused kernels, whose
+    address tables are built before the capture, for the graph's static gradients."""
+    kw = (dict(normuon_fused=True) if compiled == "fused"
+          else dict(normuon_compiled=compiled, adamw_compiled=compiled))
     eager, graphed = make_model().cuda(), make_model().cuda()
     opts_e, scheds_e = build(eager, **kw)
     opts_g, scheds_g = build(graphed, cuda_graph=True, **kw)

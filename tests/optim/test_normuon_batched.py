@@ -60,7 +60,7 @@ def make_case(seed=0, steps=3, dtype=torch.float32):
     return W0, grads
 
 
-def run_both(hp, ortho_dtype, dtype=torch.float32, compiled=False, lr=0.02):
+def run_both(hp, ortho_dtype, dtype=torch.float32, compiled=False, lr=0.02, fused=False):
     W0, grads = make_case(dtype=dtype)
     params = [torch.nn.Parameter(w.clone()) for w in W0]
     opt = NorMuon(params, lr=lr, momentum=hp.get("beta1", 0.95), beta2=hp.get("beta2", 0.95),
@@ -68,7 +68,7 @@ def run_both(hp, ortho_dtype, dtype=torch.float32, compiled=False, lr=0.02):
                   cautious_wd=hp.get("cautious_wd", True),
                   neuron_norm=hp.get("neuron_norm", True), nesterov=hp.get("nesterov", True),
                   update_scale=hp.get("update_scale", "jordan"), ortho_dtype=ortho_dtype,
-                  compiled=compiled)
+                  compiled=compiled, fused=fused)
     ref = [w.clone() for w in W0]
     states = [dict(momentum_buffer=torch.zeros_like(w), neuron_v=torch.zeros(w.shape[:-1],
                                                                              dtype=w.dtype))
@@ -115,6 +115,71 @@ def test_batched_equals_per_parameter(variant, ortho_dtype):
     # the parameter without a gradient decays by exactly (1 - lr·wd) per step (3 steps)
     decayed = (W0[NO_GRAD].double() * (1 - 0.02 * wd) ** 3).to(W0[NO_GRAD].dtype)
     torch.testing.assert_close(params[NO_GRAD].detach(), decayed, rtol=1e-6, atol=0)
+
+
+def _update_errors(params, ref, W0):
+    """‖p − r‖ / ‖r − w0‖ per parameter that moved."""
+    return [float((p.detach() - r).norm() / (r - w0).norm()) for p, r, w0 in zip(params, ref, W0)
+            if (r - w0).norm() > 0]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_equals_per_parameter(variant):
+    """The fused kernels (hymo_kernels.normuon, in Triton's interpreter, whose bf16 is not the
+    GPU's: fp32 here, bf16 in the GPU test below) give the per-parameter step."""
+    W0, params, ref, opt, states = run_both(VARIANTS[variant], "float32", fused=True)
+    assert max(_update_errors(params, ref, W0)) <= 1e-5
+    for i, (p, w0, st) in enumerate(zip(params, W0, states)):
+        msg = lambda m, i=i: f"param {i} {tuple(w0.shape)}: {m}"  # noqa: E731
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], st["momentum_buffer"],
+                                   rtol=1e-6, atol=1e-7, msg=msg)
+        torch.testing.assert_close(opt.state[p]["neuron_v"], st["neuron_v"], rtol=1e-5, atol=1e-12, msg=msg)
+        if i != NO_GRAD:
+            assert (p.detach() - w0).abs().max() > 1e-3, msg("moved")
+    # the parameter without a gradient decays by exactly (1 - lr·wd) per step (3 steps)
+    wd = VARIANTS[variant].get("wd", 0.1)
+    decayed = (W0[NO_GRAD].double() * (1 - 0.02 * wd) ** 3).to(W0[NO_GRAD].dtype)
+    torch.testing.assert_close(params[NO_GRAD].detach(), decayed, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_fused_bf16_within_the_bf16_iterations_own_error(variant):
+    """On the GPU with the production bf16 orthogonalisation: the fused step starts the
+    iteration from U scaled by the fp32 norm of U, the eager one by the norm of U's bf16 cast,
+    so the two differ by bf16's noise. Bound: twice the bf16 eager step's own distance from the
+    fp32 one, per parameter."""
+    W0, grads = make_case()
+    dev = "cuda"
+
+    def run(ortho_dtype, fused):
+        params = [torch.nn.Parameter(w.clone().to(dev)) for w in W0]
+        hp = VARIANTS[variant]
+        opt = NorMuon(params, lr=0.02, ortho_dtype=ortho_dtype, fused=fused, weight_decay=hp.get("wd", 0.1),
+                      neuron_norm=hp.get("neuron_norm", True), cautious_wd=hp.get("cautious_wd", True),
+                      nesterov=hp.get("nesterov", True), update_scale=hp.get("update_scale", "jordan"))
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = None if gr is None else gr.to(dev)
+            opt.step()
+        return [p.detach().cpu() for p in params]
+
+    fused, eager, exact = run("bfloat16", True), run("bfloat16", False), run("float32", False)
+    own = _update_errors(eager, exact, W0)
+    got = _update_errors(fused, eager, W0)
+    assert all(g <= 2 * max(o, 1e-3) for g, o in zip(got, own)), (got, own)
+    assert max(_update_errors(run("float32", True), exact, W0)) <= 1e-4
+
+
+def test_fused_is_refused_where_it_cannot_run():
+    p = [torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))]
+    with pytest.raises(ValueError, match="fp64 parameters or ortho_dtype"):
+        NorMuon(p, fused=True)
+    with pytest.raises(ValueError, match="fp64 parameters or ortho_dtype"):
+        NorMuon([torch.nn.Parameter(torch.zeros(4, 4))], fused=True, ortho_dtype="float64")
+    with pytest.raises(ValueError, match="compiled and fused"):
+        NorMuon([torch.nn.Parameter(torch.zeros(4, 4))], fused=True, compiled=True)
 
 
 @pytest.mark.parametrize("chunk", [1, 700])

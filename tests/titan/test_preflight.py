@@ -130,6 +130,27 @@ def test_optimizer_cuda_graph_is_checked_before_the_trainer(monkeypatch):
         parse_config(DEBUG + ["--optimizer.cuda_graph", "--comm.mode", "fake_backend"])
 
 
+def test_normuon_fused_is_checked_before_the_trainer(monkeypatch):
+    """optimizer.normuon_fused needs a CUDA machine (here: none), not with normuon_compiled, an
+    fp64 orthogonalisation or CPU offload; off, nothing is looked at."""
+    import types
+
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="hymo: invalid job config.*optimizer.normuon_fused runs Triton kernels on a "
+                                         "CUDA GPU and this machine has none: turn it off"):
+        parse_config(DEBUG + ["--optimizer.normuon_fused"])
+    with pytest.raises(SystemExit, match="normuon_fused and normuon_compiled are two ways"):
+        parse_config(DEBUG + ["--optimizer.normuon_fused", "--optimizer.normuon_compiled"])
+    ok = types.SimpleNamespace(normuon_fused=True, normuon_compiled=False, normuon_ortho_dtype="bfloat16")
+    preflight.check_normuon_fused(ok, installed=False)  # the config check, another machine
+    preflight.check_normuon_fused(types.SimpleNamespace(normuon_fused=False, normuon_compiled=True))
+    with pytest.raises(ValueError, match="not float64"):
+        preflight.check_normuon_fused(types.SimpleNamespace(**{**vars(ok), "normuon_ortho_dtype": "float64"}),
+                                      installed=False)
+    with pytest.raises(ValueError, match="enable_cpu_offload keeps the parameters on the CPU"):
+        preflight.check_normuon_fused(ok, installed=False, cpu_offload=True)
+
+
 def test_rope_table_reaches_the_validation_length():
     config = parse_config(DEBUG + ["--training.seq_len", "100"])
     assert config.validation.enable and config.validation.seq_len == 256

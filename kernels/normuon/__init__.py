@@ -1,0 +1,12 @@
+"""NorMuon's passes over the update, around the orthogonalisation's GEMMs, for one batch of
+same-shape matrices (hymo_recipes/optim/normuon.py, ``fused=True``).
+
+- ``fused_torch``: the PyTorch reference of each pass.
+- ``fused``: each pass as one Triton launch over the batch, reading and writing the
+  parameters, gradients and momentum buffers where they are (GPU; CPU only in Triton's
+  interpreter, for the tests).
+"""
+
+from .fused_torch import apply_update_, momentum_pack_, row_sumsq
+
+__all__ = ["apply_update_", "momentum_pack_", "row_sumsq"]
