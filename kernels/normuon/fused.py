@@ -52,8 +52,9 @@ if _TRITON_ERROR is None:
         return base + rows[:, None].to(tl.int64) * k + cols[None, :]
 
     @triton.jit
-    def _momentum_pack_kernel(g_tab, m_tab, X, partial, m, k, n_rb, beta1, NESTEROV: tl.constexpr,
-                              TRANS: tl.constexpr, G_DTYPE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    def _momentum_pack_kernel(g_tab, m_tab, X, partial, m, k, n_rb, beta1, one_minus_beta1,
+                              NESTEROV: tl.constexpr, TRANS: tl.constexpr, G_DTYPE: tl.constexpr,
+                              BR: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         rb = tl.program_id(1)
         g = tl.load(g_tab + i).to(tl.pointer_type(G_DTYPE))
@@ -65,7 +66,7 @@ if _TRITON_ERROR is None:
             mask = (rows[:, None] < m) & (cols[None, :] < k)
             offs = rows[:, None].to(tl.int64) * k + cols[None, :]
             gv = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
-            mv = _lerp(tl.load(mo + offs, mask=mask, other=0.0), gv, 1.0 - beta1)
+            mv = _lerp(tl.load(mo + offs, mask=mask, other=0.0), gv, one_minus_beta1)
             tl.store(mo + offs, mv, mask=mask)
             u = _lerp(gv, mv, beta1) if NESTEROV else mv
             acc += u * u
@@ -168,7 +169,8 @@ def momentum_pack_(grads: list[torch.Tensor], moms: list[torch.Tensor], X: torch
     n_rb = triton.cdiv(m, BLOCK_ROWS)
     partial = torch.empty(B, n_rb, dtype=torch.float32, device=X.device)
     with _reached(list(grads) + list(moms)):
-        _momentum_pack_kernel[(B, n_rb)](g_tab, m_tab, X, partial, m, k, n_rb, float(beta1), NESTEROV=nesterov,
+        _momentum_pack_kernel[(B, n_rb)](g_tab, m_tab, X, partial, m, k, n_rb, float(beta1), 1.0 - beta1,
+                                         NESTEROV=nesterov,
                                          TRANS=transposed, G_DTYPE=_TL_DTYPES[gdt], BR=BLOCK_ROWS, BK=BLOCK_COLS,
                                          num_warps=4)
     return partial.sum(dim=1)
