@@ -213,7 +213,9 @@ class NorMuon(GroupStepOptimizer):
             the parameters in place. Same maths as eager up to float rounding. CUDA (or Triton's
             interpreter), fp32 state, a bf16 or fp32 orthogonalisation; not with ``compiled``.
             Row-sharded matrices (FSDP over several ranks) keep the PyTorch passes around their
-            all-to-all. Default: ``False``.
+            all-to-all. One difference by design: the iteration's input is scaled by the fp32
+            norm of U (formed in the momentum pass) where eager takes the norm of its bf16 cast,
+            so with the bf16 iteration the two steps differ by bf16's rounding. Default: ``False``.
 
     State (created for every parameter at construction, fp32 (fp64 for fp64 params), sharded
     like the parameter so DCP sees the same keys on every rank): ``momentum_buffer`` (shape of p) and ``neuron_v``
@@ -276,6 +278,21 @@ class NorMuon(GroupStepOptimizer):
             # scheduler changes every step; dynamo traces floats as inputs, not constants.
             self._stats_fn = torch.compile(_neuron_stats, dynamic=True, fullgraph=True)
             self._apply_fn = torch.compile(_apply_update, dynamic=True, fullgraph=True)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, with the states kept in their own dtype: torch casts every floating state
+        to its parameter's dtype, which would leave bf16 parameters with bf16 momentum and second
+        moments (fp32 by design), so those are taken again from the saved tensors. The address
+        tables of the fused kernels are dropped (new state tensors, new param group dicts)."""
+        saved = state_dict["state"]  # torch's load leaves the caller's tensors as they are
+        super().load_state_dict(state_dict)
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for pid, p in zip(saved_group["params"], group["params"]):
+                st, src, dtype = self.state.get(p, {}), saved.get(pid, {}), _state_dtype(p)
+                for key in ("momentum_buffer", "neuron_v"):
+                    if key in st and key in src and st[key].dtype != dtype:
+                        st[key] = src[key].to(device=st[key].device, dtype=dtype)
+        self._tables.clear()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -490,7 +507,7 @@ class NorMuon(GroupStepOptimizer):
         to the device cannot be captured from pageable memory, and none is needed)."""
         out = []
         for kind, members in (("g", grads), ("m", moms), ("w", weights)):
-            key, ptrs = (id(group), j, kind), tuple(t.data_ptr() for t in members)
+            key, ptrs = (id(group), j, kind), tuple((t.data_ptr(), t.dtype) for t in members)
             hit = self._tables.get(key)
             if hit is None or hit[0] != ptrs:
                 if members[0].is_cuda and torch.cuda.is_current_stream_capturing():

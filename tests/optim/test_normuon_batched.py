@@ -128,6 +128,7 @@ def test_fused_equals_per_parameter(variant):
     """The fused kernels (hymo_kernels.normuon, in Triton's interpreter, whose bf16 is not the
     GPU's: fp32 here, bf16 in the GPU test below) give the per-parameter step."""
     W0, params, ref, opt, states = run_both(VARIANTS[variant], "float32", fused=True)
+    assert len(opt._tables) == 3 * len(opt._batches(params))  # the kernels ran, for every batch
     assert max(_update_errors(params, ref, W0)) <= 1e-5
     for i, (p, w0, st) in enumerate(zip(params, W0, states)):
         msg = lambda m, i=i: f"param {i} {tuple(w0.shape)}: {m}"  # noqa: E731
@@ -170,6 +171,34 @@ def test_gpu_fused_bf16_within_the_bf16_iterations_own_error(variant):
     got = _update_errors(fused, eager, W0)
     assert all(g <= 2 * max(o, 1e-3) for g, o in zip(got, own)), (got, own)
     assert max(_update_errors(run("float32", True), exact, W0)) <= 1e-4
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_a_state_load_keeps_fp32_states_for_bf16_parameters(fused):
+    """torch's load_state_dict casts states to the parameter's dtype: NorMuon casts its momentum
+    and second moments back to fp32 (bitwise the saved values), and the fused kernels, which
+    refuse bf16 momentum, step on after the load."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(12, 8), (2, 8, 12)]
+    make = lambda: [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in shapes]  # noqa: E731
+    params, params2 = make(), make()
+    kw = dict(fused=fused, ortho_dtype="float32")
+    opt = NorMuon(params, **kw)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    opt.step()
+    saved = {k: v.clone() for k, v in opt.state[params[1]].items()}
+    opt2 = NorMuon(params2, **kw)
+    opt2.load_state_dict(opt.state_dict())
+    for p in params2:
+        for key in ("momentum_buffer", "neuron_v"):
+            assert opt2.state[p][key].dtype == torch.float32, key
+    assert all(torch.equal(opt2.state[params2[1]][k], v) for k, v in saved.items())
+    for p in params2:
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    before = [p.detach().clone() for p in params2]
+    opt2.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params2, before))
 
 
 def test_fused_is_refused_where_it_cannot_run():
