@@ -29,10 +29,10 @@ OPT = dict(moe_on_normuon=True, normuon_ortho_dtype="float32")
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def build(model):
+def build(model, **overrides):
     from hymo_recipes.titan.optimizers import build_hymo_lr_schedulers, build_hymo_optimizers
 
-    opts = build_hymo_optimizers([model], _tiny.optim_config(**OPT), None)
+    opts = build_hymo_optimizers([model], _tiny.optim_config(**OPT, **overrides), None)
     return opts, build_hymo_lr_schedulers(opts, _tiny.sched_config(), 10)
 
 
@@ -78,6 +78,17 @@ def worker(rank, world, tmp):
         assert losses == pytest.approx(ref["losses_1_3"], rel=1e-5)
         st = opts.optimizers[0].state[model.layers["0"].attn.q_proj.weight]
         assert type(st["neuron_v"]).__name__ == "DTensor"  # sharded like the parameter
+
+        # 1b. the same with NorMuon's fused kernels (Triton's interpreter): the expert stacks,
+        # whole on each rank, through the kernels; the row-sharded matrices through the
+        # PyTorch passes and their all-to-all
+        model_f = sharded_model(0, mesh)
+        opts_f, scheds_f = build(model_f, normuon_fused=True)
+        _tiny.train_steps(model_f, opts_f, scheds_f, range(1, 4), rank, world)
+        assert opts_f.optimizers[0]._tables  # some batch went through the kernels
+        got_f = full_params(model_f)
+        for k, v in ref["params_after_3"].items():
+            torch.testing.assert_close(got_f[k], v, atol=ATOL, rtol=RTOL, msg=lambda m: f"fused {k}: {m}")
 
         # 2. save at 3, continue; a fresh sharded run from the checkpoint repeats 4..6 bitwise
         ckpt2 = os.path.join(tmp, "ckpt2")
