@@ -87,7 +87,8 @@ def check_job_config(config, *, this_machine: bool = True) -> None:
         args.update_from_config(config)
         check_flash_attention(args.mla_flex_options, config.debug.deterministic, installed=this_machine)
         if this_machine:
-            check_gdn_backend_runs(args.gdn_backend, cuda_graph=getattr(config.optimizer, "cuda_graph", False))
+            check_gdn_backend_runs(args.gdn_backend, cuda_graph=getattr(config.optimizer, "cuda_graph", False),
+                                   normuon_fused=getattr(config.optimizer, "normuon_fused", False))
             check_compile_backend(config, args.gdn_backend)
         check_optimizer_values(config.optimizer)
         check_optimizer_graph(config.optimizer, installed=this_machine, processes=process_count(config),
@@ -161,10 +162,11 @@ def check_optimizer_values(cfg) -> None:
         raise ValueError(f"optimizer.normuon_ns_steps = {cfg.normuon_ns_steps} must be at least 1")
 
 
-def check_gdn_backend_runs(backend: str, *, cuda_graph: bool = False) -> None:
+def check_gdn_backend_runs(backend: str, *, cuda_graph: bool = False, normuon_fused: bool = False) -> None:
     """Raises ValueError if this machine cannot run the GDN backend (the Triton kernel needs a
-    GPU and a working Triton); ``cuda_graph``: the config also graphs the optimizer step, which
-    the advice for a machine without a GPU then turns off too."""
+    GPU and a working Triton); ``cuda_graph`` / ``normuon_fused``: the config also graphs the
+    optimizer step / runs NorMuon's fused kernels, which the advice for a machine without a GPU
+    then turns off too."""
     if backend != "triton":
         return
     import torch
@@ -172,9 +174,10 @@ def check_gdn_backend_runs(backend: str, *, cuda_graph: bool = False) -> None:
     from hymo_kernels.gdn.chunk import unavailable
 
     if why := unavailable("cuda" if torch.cuda.is_available() else "cpu"):
-        graph = " and --optimizer.no-cuda_graph" if cuda_graph else ""
+        gpu_only = "".join(f" and --optimizer.no-{name}" for name, on in
+                           (("cuda_graph", cuda_graph), ("normuon_fused", normuon_fused)) if on)
         raise ValueError(f'gdn_backend "triton" {why}. Without a GPU use --hymo.gdn_backend torch_chunk '
-                         f"(and --compile.no-enable: that backend is not compiled{graph})")
+                         f"(and --compile.no-enable: that backend is not compiled{gpu_only})")
 
 
 def check_flash_attention(flex_options: str, deterministic: bool, *, installed: bool = True) -> None:

@@ -53,11 +53,12 @@ def test_values_of_the_wrong_type_name_the_field(tmp_path):
 
 
 def test_the_configs_pass_and_a_float_field_takes_an_int(tmp_path, monkeypatch):
-    # what a config asks of the machine's GPU (a CUDA-graphed optimizer step) is not this
-    # machine's to give; the config's own values are checked
-    check_graph = preflight.check_optimizer_graph
-    monkeypatch.setattr(preflight, "check_optimizer_graph", lambda cfg, installed=True, **kw: check_graph(cfg, **kw,
-                                                                                                         installed=False))
+    # what a config asks of the machine's GPU (a CUDA-graphed optimizer step, NorMuon's kernels)
+    # is not this machine's to give; the config's own values are checked
+    for name in ("check_optimizer_graph", "check_normuon_fused"):
+        check = getattr(preflight, name)
+        monkeypatch.setattr(preflight, name, lambda cfg, installed=True, _check=check, **kw: _check(cfg, **kw,
+                                                                                                   installed=False))
     for toml in sorted((REPO / "train_configs").glob("*.toml")):
         parse_config(["--job.config_file", str(toml)])  # the tests run the Triton backend in the interpreter
     config = parse_config(DEBUG + ["--optimizer.lr", "1"])
@@ -70,11 +71,12 @@ def test_triton_backend_that_cannot_run_fails_before_the_trainer(monkeypatch):
     monkeypatch.setattr(chunk, "unavailable", lambda device_type: f"needs CUDA tensors (got {device_type})")
     small = ["--job.config_file", str(REPO / "train_configs" / "hymo_small.toml")]
     with pytest.raises(SystemExit, match='gdn_backend "triton" needs CUDA tensors.*--hymo.gdn_backend torch_chunk'
-                                         ".* and --optimizer.no-cuda_graph"):  # the config graphs its optimizer step
-        parse_config(small)
+                                         ".* and --optimizer.no-cuda_graph and --optimizer.no-normuon_fused\\)"):
+        parse_config(small)  # the config graphs its optimizer step and runs NorMuon's kernels
     with pytest.raises(SystemExit, match='gdn_backend "triton" needs'):
         parse_config(DEBUG + ["--hymo.gdn_backend", "triton"])
-    parse_config(small + ["--hymo.gdn_backend", "torch_chunk", "--compile.no-enable", "--optimizer.no-cuda_graph"])
+    parse_config(small + ["--hymo.gdn_backend", "torch_chunk", "--compile.no-enable", "--optimizer.no-cuda_graph",
+                          "--optimizer.no-normuon_fused"])
 
 
 def test_flash_attention_backend_is_checked_before_the_trainer(monkeypatch):

@@ -111,11 +111,12 @@ def test_hymo_section_parses_and_each_knob_is_validated_once(tmp_path):
 @pytest.mark.parametrize("config", ["hymo_small.toml", "hymo_750m.toml"])
 def test_a_gpu_config_parses_with_a_cpu_backend(config):
     """The preflight's advice for a machine without a GPU (--hymo.gdn_backend torch_chunk, and
-    --optimizer.no-cuda_graph where the config graphs the optimizer step) works with every
-    shipped GPU config, whatever its mixer keeps."""
+    --optimizer.no-cuda_graph and --optimizer.no-normuon_fused where the config uses them) works
+    with every shipped GPU config, whatever its mixer keeps."""
     path = Path(__file__).resolve().parents[2] / "train_configs" / config
     parsed = parse_config(["--job.config_file", str(path), "--hymo.gdn_backend", "torch_chunk", "--compile.no-enable",
-                           "--optimizer.no-cuda_graph", "--job.dump_folder", "/nonexistent-hymo-dump"])
+                           "--optimizer.no-cuda_graph", "--optimizer.no-normuon_fused", "--job.dump_folder",
+                           "/nonexistent-hymo-dump"])
     assert parsed.hymo.gdn_backend == "torch_chunk"
 
 
