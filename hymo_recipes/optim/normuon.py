@@ -480,9 +480,7 @@ class NorMuon(GroupStepOptimizer):
         rescale, decay and update of the parameters in place in one."""
         m, k = b.rows, b.cols
         transposed = m > k  # the iteration runs on the wide orientation
-        grads, moms, weights = ([xs[i] for i in b.idxs] for xs in (gs, ms, ws))
-        if len({g.dtype for g in grads}) > 1:  # a zero-filled stand-in beside bf16 gradients
-            grads = [g.float() for g in grads]
+        grads, moms, weights = _members(b, gs, ms, ws)
         g_tab, m_tab, w_tab = self._batch_tables(group, j, b, grads, moms, weights)
         B = sum(b.counts)
         X = torch.empty((B, k, m) if transposed else (B, m, k), dtype=_ORTHO_DTYPES[group["ortho_dtype"]],
@@ -529,10 +527,13 @@ class NorMuon(GroupStepOptimizer):
             ms, gs, _, ws = self._local_lists(group["params"])
             for j, b in enumerate(self._batches(group["params"])):
                 if b.row_group is None:
-                    grads = [gs[i] for i in b.idxs]
-                    if len({g.dtype for g in grads}) > 1:
-                        continue  # rebuilt per step from float copies: nothing stable to table
-                    self._batch_tables(group, j, b, grads, [ms[i] for i in b.idxs], [ws[i] for i in b.idxs])
+                    if len({gs[i].dtype for i in b.idxs}) > 1:
+                        # the kernel would read float copies made inside the capture, whose
+                        # addresses no table built here can hold
+                        raise ValueError("NorMuon(fused=True) under a CUDA graph needs one gradient dtype per batch of "
+                                         f"same-shape matrices; [{b.rows}, {b.cols}] has "
+                                         f"{sorted(str(gs[i].dtype) for i in b.idxs)}")
+                    self._batch_tables(group, j, b, *_members(b, gs, ms, ws))
 
     def _compiled_scalar(self, x: float | Tensor, params: list[Tensor]) -> float | Tensor:
         """lr·s and lr·wd for the compiled maths and the fused kernels (which read them from device
@@ -650,6 +651,15 @@ def _make_batches(params: list[Tensor]) -> list[_Batch]:
         out.append(_Batch(tuple(idxs), (1,) * len(idxs), my_rows, m, k, spec.row_group,
                           mesh_key, ndims=(2,) * len(idxs)))
     return out
+
+
+def _members(b: _Batch, gs: list[Tensor], ms: list[Tensor], ws: list[Tensor]) -> tuple[list[Tensor], ...]:
+    """Batch b's gradients, momentum buffers and weights; the gradients in fp32 where their dtypes
+    differ (a zero-filled stand-in beside bf16 gradients), as the fused kernels take one."""
+    grads, moms, weights = ([xs[i] for i in b.idxs] for xs in (gs, ms, ws))
+    if len({g.dtype for g in grads}) > 1:
+        grads = [g.float() for g in grads]
+    return grads, moms, weights
 
 
 def _neuron_stats(O: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -209,6 +209,11 @@ def test_fused_is_refused_where_it_cannot_run():
         NorMuon([torch.nn.Parameter(torch.zeros(4, 4))], fused=True, ortho_dtype="float64")
     with pytest.raises(ValueError, match="compiled and fused"):
         NorMuon([torch.nn.Parameter(torch.zeros(4, 4))], fused=True, compiled=True)
+    # under a CUDA graph one gradient dtype per batch (a parameter without a gradient gets fp32 zeros)
+    ps = [torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16)) for _ in range(2)]
+    ps[0].grad = torch.zeros(4, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"one gradient dtype per batch.*\[4, 4\] has \['torch.bfloat16', 'torch.float32'\]"):
+        NorMuon(ps, fused=True).prepare_capture()
 
 
 @pytest.mark.parametrize("chunk", [1, 700])
