@@ -12,8 +12,9 @@ device tensors. The first ``warmup_steps`` steps then run eagerly on a side stre
 tensors as the capture will (torch.compile compiles the optimizers' compiled maths for them
 here, since no compile can run inside a capture; the libraries' workspaces are set up on the
 capture's stream). After that the
-gradients are copied into static buffers (one multi-tensor copy; a parameter without a gradient
-gets zeros, as the eager step gives it); the first time, the optimizers' steps are captured with
+gradients are copied into static buffers (``stage``: one multi-tensor copy, queued before the
+NaN guard's host sync; a parameter without a gradient gets zeros, as the eager step gives it);
+the first time, the optimizers' steps are captured with
 the parameters' ``.grad`` pointing at those buffers; then the graph is replayed. Parameters and
 optimizer states are updated in place, so their addresses stay the graph's; the scalars are the
 eager step's values, so the updates are the eager step's (a CPU test checks the host half, a GPU
@@ -76,9 +77,27 @@ class GraphedStep:
         the next ``warmup_steps`` steps run eagerly, then the step is captured anew."""
         self._graph = None
         self._static = None
+        self._staged = False
         self._eager_left = self.warmup_steps
         for o in self.optimizers:
             o.end_graph()
+
+    @torch.no_grad()
+    def stage(self) -> None:
+        """Copy this step's gradients into the graph's static buffers now (nothing during the
+        eager warm-up steps). The optimizers' container calls it before the NaN guard's host
+        sync, so that the copy and its host loop run while the GPU still works through the
+        backward, not while it waits for the replay; a step the guard then skips changes nothing
+        (the next stage overwrites the buffers). ``step`` stages whatever was not staged."""
+        if self.device is None:
+            self._find_device()
+        if self._eager_left > 0:
+            return
+        grads = [p.grad for p in self.params]
+        if self._static is None:
+            self._static = [torch.zeros_like(local(p) if g is None else local(g)) for p, g in zip(self.params, grads)]
+        self._load_grads(grads)
+        self._staged = True
 
     @torch.no_grad()
     def step(self) -> None:
@@ -92,12 +111,11 @@ class GraphedStep:
             self._eager_left -= 1
             self._on_side_stream(self._step_in_graph_mode)
             return
-        grads = [p.grad for p in self.params]
+        if not self._staged:
+            self.stage()
+        self._staged = False
         if self._graph is None:
-            self._static = [torch.zeros_like(local(p) if g is None else local(g)) for p, g in zip(self.params, grads)]
-        self._load_grads(grads)
-        if self._graph is None:
-            self._capture(grads)
+            self._capture([p.grad for p in self.params])
         self._graph.replay()
 
     def _step_in_graph_mode(self) -> None:

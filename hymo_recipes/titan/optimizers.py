@@ -111,10 +111,15 @@ class HymoOptimizersContainer(OptimizersContainer):
         # Optimizer.__init__ on the container itself: TorchTitan's hooks machinery needs it.
         self._post_init(all_params, {})
 
+    @torch.no_grad()  # the host loops over every parameter: DTensor.to_local is cheap only without autograd
     def step(self, *args, **kwargs) -> None:
         self.step_timer.start()
         try:
             self.last_step_skipped = False
+            if self.graphed is not None:
+                if args or kwargs:
+                    raise ValueError("optimizer.cuda_graph replays the step: a closure cannot run in it")
+                self.graphed.stage()  # before the guard's host sync (graph.py)
             if self.nan_guard is not None:
                 grads = [_local(p.grad) for o in self.optimizers for g in o.param_groups
                          for p in g["params"] if p.grad is not None]
@@ -129,8 +134,6 @@ class HymoOptimizersContainer(OptimizersContainer):
                     return
                 self.step_timer.lap("nan_check")
             if self.graphed is not None:
-                if args or kwargs:
-                    raise ValueError("optimizer.cuda_graph replays the step: a closure cannot run in it")
                 self.graphed.step()
                 self.step_timer.lap("graph")
                 return

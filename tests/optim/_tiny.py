@@ -114,8 +114,10 @@ class ModelState(Stateful):
         set_model_state_dict(self.model, sd)
 
 
-def train_steps(model, optimizers, schedulers, steps, rank=0, world=1):
+def train_steps(model, optimizers, schedulers, steps, rank=0, world=1, nan_grad_steps=()):
     """TorchTitan's order: zero_grad, forward/backward, optimizer step, scheduler step.
+    ``nan_grad_steps``: steps whose first gradient gets a NaN before the optimizer step (the NaN
+    guard skips them).
 
     Returns the global mean loss per step (all-reduced when distributed)."""
     import torch.distributed as dist
@@ -125,6 +127,9 @@ def train_steps(model, optimizers, schedulers, steps, rank=0, world=1):
         optimizers.zero_grad()
         loss = loss_fn(model, batch(s, rank, world))
         loss.backward()
+        if s in nan_grad_steps:
+            grad = next(p.grad for p in model.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("nan")
         optimizers.step()
         schedulers.step()
         value = loss.detach().clone()

@@ -107,8 +107,9 @@ def test_graphed_step_refuses_the_cpu_and_other_optimizers():
 @pytest.mark.parametrize("compiled", [False, True, "fused"], ids=["eager", "compiled", "fused"])
 def test_gpu_graphed_container_equals_the_eager_one(compiled):
     """The container with cuda_graph on, against the same run without: a warm-up step, the capture,
-    replays through a schedule whose lr changes each step, a parameter without a gradient, and a
-    state load in the middle (the graph is dropped and captured again). ``compiled``: both
+    replays through a schedule whose lr changes each step, a parameter without a gradient, a state
+    load in the middle (the graph is dropped and captured again) and a step the NaN guard skips
+    after its gradients were staged into the graph's buffers (the next step stages its own). ``compiled``: both
     optimizers' maths under torch.compile, compiled in the warm-up for the graph's device scalars
     (a compile inside the capture would fail it). ``"fused"``: NorMuon's fused kernels, whose
     address tables are built before the capture, for the graph's static gradients."""
@@ -130,12 +131,14 @@ def test_gpu_graphed_container_equals_the_eager_one(compiled):
     for opts in (opts_e, opts_g):
         opts.load_state_dict(opts.state_dict())
     torch._dynamo.reset()
-    losses_e += train_steps(eager, opts_e, scheds_e, range(5, 9))
+    losses_e += train_steps(eager, opts_e, scheds_e, range(5, 10), nan_grad_steps={7})
     torch._dynamo.reset()
-    losses_g += train_steps(graphed, opts_g, scheds_g, range(5, 9))
+    losses_g += train_steps(graphed, opts_g, scheds_g, range(5, 10), nan_grad_steps={7})
     assert opts_g.graphed.captures == 2
+    assert opts_e.nan_guard.skipped_total == opts_g.nan_guard.skipped_total == 1
     torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=1e-5, atol=0)
     assert_params_close(eager, graphed)
+    assert all(torch.isfinite(p).all() for p in graphed.parameters())
     steps = {s["step"].item() for s in opts_g.optimizers[1].state.values()}
     assert steps == {8.0}
-    assert opts_g.step_timer.collect()[1] == 8 and set(opts_g.step_timer.last_laps) == {"nan_check", "graph"}
+    assert opts_g.step_timer.collect()[1] == 9 and set(opts_g.step_timer.last_laps) == {"nan_check", "graph"}
