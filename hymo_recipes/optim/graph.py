@@ -77,7 +77,6 @@ class GraphedStep:
         the next ``warmup_steps`` steps run eagerly, then the step is captured anew."""
         self._graph = None
         self._static = None
-        self._staged = False
         self._eager_left = self.warmup_steps
         for o in self.optimizers:
             o.end_graph()
@@ -88,19 +87,20 @@ class GraphedStep:
         eager warm-up steps). The optimizers' container calls it before the NaN guard's host
         sync, so that the copy and its host loop run while the GPU still works through the
         backward, not while it waits for the replay; a step the guard then skips changes nothing
-        (the next stage overwrites the buffers). ``step`` stages whatever was not staged."""
+        (the next stage overwrites the buffers), and ``step(staged=True)`` replays it."""
         if self.device is None:
             self._find_device()
         if self._eager_left > 0:
             return
         grads = [p.grad for p in self.params]
-        if self._static is None:
+        if self._graph is None:  # until the capture, the buffers follow this step's gradients
             self._static = [torch.zeros_like(local(p) if g is None else local(g)) for p, g in zip(self.params, grads)]
         self._load_grads(grads)
-        self._staged = True
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, staged: bool = False) -> None:
+        """One optimizer step: eager during the warm-up, then the captured graph. ``staged``: this
+        step's ``stage()`` already ran (else it runs here)."""
         if self.device is None:
             self._find_device()
         for o in self.optimizers:
@@ -111,9 +111,8 @@ class GraphedStep:
             self._eager_left -= 1
             self._on_side_stream(self._step_in_graph_mode)
             return
-        if not self._staged:
+        if not staged:
             self.stage()
-        self._staged = False
         if self._graph is None:
             self._capture([p.grad for p in self.params])
         self._graph.replay()

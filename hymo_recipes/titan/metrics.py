@@ -17,7 +17,8 @@ step (tensorboard tags):
   optimizer container's step (NaN check + every optimizer, optimizers.py ``StepTimer``)
   since the last log, and its share of the wall time over the same interval;
   ``time_metrics/optimizer_step_<name>(s)`` and ``(%)`` the same per part (``nan_check``, then
-  each optimizer by name: ``normuon``, ``cautious_adamw``; with ``optimizer.cuda_graph`` one
+  each optimizer by name: ``normuon``, ``cautious_adamw``; with ``optimizer.cuda_graph``
+  ``stage`` for the gradients' copy into the graph's buffers before the NaN check, then one
   ``graph`` for the replayed step).
 The MoE numbers are ratios on purpose: activation checkpointing re-runs a block's forward in
 backward, which counts every routed and dropped token twice; a ratio is unaffected.

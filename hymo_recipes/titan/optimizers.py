@@ -120,6 +120,7 @@ class HymoOptimizersContainer(OptimizersContainer):
                 if args or kwargs:
                     raise ValueError("optimizer.cuda_graph replays the step: a closure cannot run in it")
                 self.graphed.stage()  # before the guard's host sync (graph.py)
+                self.step_timer.lap("stage")
             if self.nan_guard is not None:
                 grads = [_local(p.grad) for o in self.optimizers for g in o.param_groups
                          for p in g["params"] if p.grad is not None]
@@ -134,7 +135,7 @@ class HymoOptimizersContainer(OptimizersContainer):
                     return
                 self.step_timer.lap("nan_check")
             if self.graphed is not None:
-                self.graphed.step()
+                self.graphed.step(staged=True)
                 self.step_timer.lap("graph")
                 return
             for name, optimizer in zip(self.optimizer_names, self.optimizers):
@@ -201,7 +202,8 @@ _GUARD = "nan_guard"
 class StepTimer:
     """Time spent in the optimizer container's ``step``, summed until ``collect()``, in all and
     per named lap (``lap(name)`` closes the interval since the step's start or the last lap:
-    the NaN check, then each optimizer, so the distributed NorMuon step has its own number).
+    a CUDA graph's stage, the NaN check, then each optimizer or the graph's replay, so the
+    distributed NorMuon step has its own number).
 
     On CUDA it records events on the current stream (no host sync; an interval is the GPU
     timeline between two marks, including idle gaps while the host launches kernels or waits
