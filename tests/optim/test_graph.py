@@ -1,5 +1,6 @@
-"""The optimizer step as one CUDA graph (hymo_recipes/optim/graph.py): its host half on the CPU,
-the graph against the eager step on a GPU, and the refusals."""
+"""The optimizer step as one CUDA graph (hymo_recipes/optim/graph.py): its host half and its step
+order (stand-ins for the stream and the graph) on the CPU, the graph against the eager step on a
+GPU, and the refusals."""
 
 import os
 import sys
@@ -101,6 +102,63 @@ def test_graphed_step_refuses_the_cpu_and_other_optimizers():
         graphed.step()
     with pytest.raises(ValueError, match=r"takes HyMo's NorMuon and CautiousAdamW, not \['AdamW'\]"):
         GraphedStep([torch.optim.AdamW(model.parameters())])
+
+
+class _ReplayedEagerly(GraphedStep):
+    """GraphedStep's own step logic on the CPU: the side stream and the graph are stand-ins that
+    run the captured code path eagerly (a replay is the step in graph mode with ``.grad`` at the
+    static buffers), so the order of stage, warm-up, capture, replay and a skip is checked
+    without CUDA; the GPU test below runs the real graph."""
+
+    def _find_device(self):
+        self.device = torch.device("cpu")
+
+    def _on_side_stream(self, fn):
+        fn()
+
+    def _capture(self, grads):
+        outer = self
+
+        class _Graph:
+            def replay(self):
+                for p, s in zip(outer.params, outer._static):
+                    p.grad = s
+                try:
+                    outer._step_in_graph_mode()
+                finally:
+                    for p, g in zip(outer.params, grads):
+                        p.grad = g
+
+        for o in self.optimizers:
+            o.prepare_capture()
+        self._graph = _Graph()
+        self.captures += 1
+
+
+@pytest.mark.parametrize("skip", [1, 2, 3, 5, 6])
+def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(skip):
+    """The container's graphed step (stand-ins for the stream and the graph) against the eager
+    container, with a NaN gradient that the guard skips at one step: the first warm-up (1), the
+    first capture (2), a replay (3), the warm-up after a state load (5) or the capture after it
+    (6). The graph's stage runs before the guard's decision, so a skip must leave nothing
+    behind: the same parameters bit for bit, the same step counts, two captures."""
+    eager, graphed = make_model(), make_model()
+    opts_e, scheds_e = build(eager)
+    opts_g, scheds_g = build(graphed)
+    opts_g.graphed = _ReplayedEagerly(opts_g.optimizers)
+    losses = [train_steps(model, opts, scheds, range(1, 5), nan_grad_steps={skip})
+              for model, opts, scheds in ((eager, opts_e, scheds_e), (graphed, opts_g, scheds_g))]
+    for opts in (opts_e, opts_g):
+        opts.load_state_dict(opts.state_dict())
+    for model, opts, scheds, ls in ((eager, opts_e, scheds_e, losses[0]), (graphed, opts_g, scheds_g, losses[1])):
+        ls += train_steps(model, opts, scheds, range(5, 9), nan_grad_steps={skip})
+    assert losses[0] == losses[1]
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(p, q), name
+    assert opts_e.nan_guard.skipped_total == opts_g.nan_guard.skipped_total == 1
+    counts = [[s["step"].item() for s in o.optimizers[1].state.values()] for o in (opts_e, opts_g)]
+    assert counts[0] == counts[1] == [7.0] * len(counts[0])
+    assert opts_g.graphed.captures == 2
 
 
 @pytest.mark.gpu
