@@ -127,7 +127,10 @@ def test_sub_chunks_of_32_with_collapsed_keys(tuning):
     for BC in (16, 32):
         tuning[(32, 32)] = Config(BT=64, BC=BC, BZ=64, BV=32, BV_PASS=32)
         errs[BC] = run_and_compare(x, tol=loose)
-    assert all(errs[32][n] <= 1.5 * errs[16][n] for n in errs[16]), errs
+    # Both are fp32 rounding at ~1e-5, and their ratio moves with the machine's float path
+    # (h0's gradient: 1.62 on one 2-core AMD EPYC VM, under 1.5 on the earlier ones); the failure
+    # this guards against, a Neumann product over the 32 rows, is errors of order 1.
+    assert all(errs[32][n] <= 2 * errs[16][n] for n in errs[16]), errs
 
 
 # ---------------------------------------------------------------------------------------------
