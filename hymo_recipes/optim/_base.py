@@ -15,10 +15,13 @@ class GroupStepOptimizer(Optimizer):
 
     Under a CUDA graph (``graph.GraphedStep``) the step's kernels are captured once and replayed;
     what changes from step to step on the host (the scheduled lr, CautiousAdamW's step count and
-    bias corrections) is then computed by ``prepare_graph_step`` before each replay and written
-    into 0-d device tensors that the captured kernels read (``_graph_scalar``); a step run inside
-    ``graph_mode()`` (the capture) neither advances host counters nor bakes per-step host values
-    into the graph (what is fixed for a run, betas, eps and weight decay, is)."""
+    bias corrections) is then computed by ``prepare_graph_step`` before each replay, for the step
+    about to run, and written into 0-d device tensors that the captured kernels read
+    (``_graph_scalar``). Preparing advances no host counter, so it can run before the NaN guard
+    decides the step (a skipped step leaves them as they were); ``commit_graph_step`` advances
+    them once the step has run. A step run inside ``graph_mode()`` (the capture) neither
+    advances host counters nor bakes per-step host values into the graph (what is fixed for a
+    run, betas, eps and weight decay, is)."""
 
     _graph_scalars: dict | None = None  # the device scalars prepare_graph_step writes
     _in_graph = False  # inside graph_mode(): the step reads them
@@ -37,25 +40,40 @@ class GroupStepOptimizer(Optimizer):
     def _step_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError  # abstract: each optimizer supplies its update
 
-    def _host_step(self, index: int, group: dict[str, Any]) -> Iterator[tuple[tuple, float, torch.device, torch.dtype]]:
-        """The host half of one step of group ``index``, for a CUDA graph's replay: advances the
-        host counters and yields (key, value, device, dtype) of every per-step scalar the group's
-        kernels read through ``_graph_scalar(key)``."""
+    def _prepare_host_step(self, index: int, group: dict[str, Any]) -> Iterator[tuple[tuple, float, torch.device, torch.dtype]]:
+        """The host half of the next step of group ``index``, for a CUDA graph's replay: yields
+        (key, value, device, dtype) of every per-step scalar the group's kernels read through
+        ``_graph_scalar(key)``, computed for the step about to run, without advancing any host
+        counter (``_commit_host_step`` does)."""
         raise NotImplementedError  # abstract: each optimizer supplies its per-step scalars
+
+    def _commit_host_step(self, index: int, group: dict[str, Any]) -> None:
+        """Advance group ``index``'s host counters by the step ``_prepare_host_step`` prepared (none by
+        default)."""
 
     @torch.no_grad()
     def prepare_graph_step(self) -> None:
-        """Before each replay of a captured step (and before the capture): the host half of the
-        step, its scalars written into the device tensors the graph reads."""
+        """Before each replay of a captured step (and before the capture): the scalars of the
+        step about to run written into the device tensors the graph reads. Advances nothing:
+        preparing again (after a skipped step) writes the same values."""
         if self._graph_scalars is None:
             self._graph_scalars = {}
         for index, group in enumerate(self.param_groups):
             if group["params"]:
-                for key, value, device, dtype in self._host_step(index, group):
+                for key, value, device, dtype in self._prepare_host_step(index, group):
                     t = self._graph_scalars.get(key)
                     if t is None:
                         t = self._graph_scalars[key] = torch.empty((), dtype=dtype, device=device)
                     t.fill_(value)
+
+    @torch.no_grad()
+    def commit_graph_step(self) -> None:
+        """After a step that ran from the prepared scalars (a warm-up step in graph mode, or a
+        replay, the first one right after the capture): advance the host counters as the eager
+        step does."""
+        for index, group in enumerate(self.param_groups):
+            if group["params"]:
+                self._commit_host_step(index, group)
 
     def prepare_capture(self) -> None:
         """Right before the capture, with ``p.grad`` the graph's static buffers: whatever the step

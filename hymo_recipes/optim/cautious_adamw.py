@@ -264,25 +264,33 @@ class CautiousAdamW(GroupStepOptimizer):
     def _advance(self, group, params: list[Tensor]) -> tuple[float, float]:
         """Counts one more step for the batch (host counters) and returns its bias-correction
         scalars (sqrt(bc2)/bc1, eps·sqrt(bc2))."""
-        beta1, beta2 = group["betas"]
         steps = [self.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0)
         # All steps of a group advance together; one bias correction for the batch (they can
         # only differ if a checkpoint mixed states, which load_state_dict never does). The
         # steps live on the CPU, so the corrections are host floats, handed to the device
         # without a copy (no host sync in the step).
-        t = float(steps[0])
+        return self._bias_scalars(group, float(steps[0]))
+
+    @staticmethod
+    def _bias_scalars(group, t: float) -> tuple[float, float]:
+        """(sqrt(bc2)/bc1, eps·sqrt(bc2)) of step t."""
+        beta1, beta2 = group["betas"]
         bc1 = 1.0 - beta1**t
         bc2_sqrt = math.sqrt(1.0 - beta2**t)
         return bc2_sqrt / bc1, group["eps"] * bc2_sqrt
 
-    def _host_step(self, index: int, group: dict[str, Any]):
+    def _prepare_host_step(self, index: int, group: dict[str, Any]):
         for (device, dtype), params in self._batches(group["params"]).items():
-            step_scale, eps_scaled = self._advance(group, params)
+            # the step about to run: one past the count (the fp32 count + 1, as _advance forms it)
+            step_scale, eps_scaled = self._bias_scalars(group, float(self.state[params[0]]["step"] + 1.0))
             key = (index, device, dtype)
             yield ("step_scale", *key), step_scale, device, dtype
             yield ("eps_scaled", *key), eps_scaled, device, dtype
             yield ("lr", *key), float(group["lr"]), device, dtype
+
+    def _commit_host_step(self, index: int, group: dict[str, Any]) -> None:
+        torch._foreach_add_([self.state[p]["step"] for p in group["params"]], 1.0)
 
     def _step_batch(self, group, params: list[Tensor], beta1: float, beta2: float, graph_key=None) -> None:
         """One (device, dtype) batch of a group; graph_key (group index, device, dtype): under a

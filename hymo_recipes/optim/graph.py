@@ -6,19 +6,21 @@ finiteness, which waits for the backward, so the GPU idles while the host launch
 one (hymo_small: 42 % busy inside the step, BENCHMARKS.md). Replayed as one graph they run back
 to back.
 
-How: before every step, each optimizer's ``prepare_graph_step`` runs its host half (the
-scheduled lr, CautiousAdamW's step counts and bias corrections) and writes the results into 0-d
-device tensors. The first ``warmup_steps`` steps then run eagerly on a side stream, reading those
-tensors as the capture will (torch.compile compiles the optimizers' compiled maths for them
-here, since no compile can run inside a capture; the libraries' workspaces are set up on the
-capture's stream). After that the
-gradients are copied into static buffers (``stage``: one multi-tensor copy, queued before the
-NaN guard's host sync; a parameter without a gradient gets zeros, as the eager step gives it);
-the first time, the optimizers' steps are captured with
-the parameters' ``.grad`` pointing at those buffers; then the graph is replayed. Parameters and
-optimizer states are updated in place, so their addresses stay the graph's; the scalars are the
-eager step's values, so the updates are the eager step's (a CPU test checks the host half, a GPU
-test the graph).
+How: each step's host half runs first (``stage``, which the optimizers' container calls before
+the NaN guard's host sync, so that it overlaps the backward still running on the GPU): each
+optimizer's ``prepare_graph_step`` computes the scalars of the step about to run (the scheduled
+lr, CautiousAdamW's bias corrections) into 0-d device tensors, advancing no host counter, and,
+after the warm-up, the gradients are copied into static buffers (one multi-tensor copy; a
+parameter without a gradient gets zeros, as the eager step gives it). A step the guard skips
+thus changes nothing. The first ``warmup_steps`` steps run eagerly on a side stream, reading
+those tensors as the capture will (torch.compile compiles the optimizers' compiled maths for
+them here, since no compile can run inside a capture; the libraries' workspaces are set up on
+the capture's stream). After that, the first time, the optimizers' steps are captured with the
+parameters' ``.grad`` pointing at the static buffers; then the graph is replayed. After a
+warm-up step or a replay, ``commit_graph_step`` advances the host counters (CautiousAdamW's
+step counts). Parameters and optimizer states are updated in place, so their addresses stay the
+graph's; the scalars are the eager step's values, so the updates are the eager step's (a CPU
+test checks the host half, a GPU test the graph).
 
 Limits, refused up front (hymo_recipes/titan/preflight.py): one CUDA device and one rank (the
 optimizers' collectives are not captured) and HyMo's own optimizers (torch's AdamW has no host
@@ -83,13 +85,17 @@ class GraphedStep:
 
     @torch.no_grad()
     def stage(self) -> None:
-        """Copy this step's gradients into the graph's static buffers now (nothing during the
-        eager warm-up steps). The optimizers' container calls it before the NaN guard's host
-        sync, so that the copy and its host loop run while the GPU still works through the
-        backward, not while it waits for the replay; a step the guard then skips changes nothing
-        (the next stage overwrites the buffers), and ``step(staged=True)`` replays it."""
+        """The step's host half now: the optimizers' scalars for the step about to run
+        (``prepare_graph_step``, which advances no counter) and, after the warm-up, this step's
+        gradients copied into the graph's static buffers. The optimizers' container calls it
+        before the NaN guard's host sync, so that this host work and its launches run while the
+        GPU still works through the backward, not while it waits for the replay; a step the guard
+        then skips changes nothing (the next stage overwrites both), and ``step(staged=True)``
+        runs it."""
         if self.device is None:
             self._find_device()
+        for o in self.optimizers:
+            o.prepare_graph_step()
         if self._eager_left > 0:
             return
         grads = [p.grad for p in self.params]
@@ -101,21 +107,21 @@ class GraphedStep:
     def step(self, staged: bool = False) -> None:
         """One optimizer step: eager during the warm-up, then the captured graph. ``staged``: this
         step's ``stage()`` already ran (else it runs here)."""
-        if self.device is None:
-            self._find_device()
-        for o in self.optimizers:
-            o.prepare_graph_step()
+        if not staged:
+            self.stage()
         if self._eager_left > 0:
             # the captured code path run eagerly: compiled maths compiles here for the device
             # scalars it will see in the capture, where a compile could not run
             self._eager_left -= 1
             self._on_side_stream(self._step_in_graph_mode)
-            return
-        if not staged:
-            self.stage()
-        if self._graph is None:
-            self._capture([p.grad for p in self.params])
-        self._graph.replay()
+        else:
+            if self._graph is None:
+                self._capture([p.grad for p in self.params])
+            self._graph.replay()
+        # the host counters (CautiousAdamW's step counts) advance once the step has run; here,
+        # after the launch, this host work overlaps the replay
+        for o in self.optimizers:
+            o.commit_graph_step()
 
     def _step_in_graph_mode(self) -> None:
         with contextlib.ExitStack() as modes:

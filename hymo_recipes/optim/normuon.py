@@ -365,7 +365,7 @@ class NorMuon(GroupStepOptimizer):
             self._batch_cache[key] = batches
         return batches
 
-    def _host_step(self, index: int, group: dict[str, Any]):
+    def _prepare_host_step(self, index: int, group: dict[str, Any]):
         # the scheduled lr is the one value that changes between steps; lr·s and lr·wd are formed
         # on the host as the eager step forms them, so the two round alike
         lr, wd = _as_scalar(group["lr"]), _as_scalar(group["weight_decay"])
