@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hymo_recipes.optim import NorMuon, orthogonalize
+from hymo_recipes.optim.normuon import POLAR_EXPRESS_COEFFS
 
 # ---------------------------------------------------------------------------------------------
 # Reference: DESIGN.md §3 line by line, float64, one matrix at a time (no batching, no sharding).
@@ -202,6 +203,28 @@ def test_singular_values_in_band(method, band, dtype):
     core = U.T @ O @ V
     off = core - torch.diag(torch.diagonal(core))
     assert off.norm() / core.norm() < (1e-6 if dtype == torch.float64 else 0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_iteration_on_the_cpu_is_the_gpus_rounding(dtype):
+    """On a CPU the bf16 / fp16 iteration forms each product in fp32 and rounds it once (what a
+    GPU's half-precision GEMM does; torch's CPU bf16 matmul is ~50x slower without native bf16
+    instructions). Against torch's own half-precision baddbmm chain on the same inputs: the same
+    distance from the fp64 iteration, and one rounding apart from it."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 24, 56, generator=g, dtype=torch.float64)
+    got = orthogonalize(x, dtype=dtype).double()
+    X = x.to(dtype)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)  # orthogonalize's start, in its dtype
+    exact, chain = X.double(), X
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = exact @ exact.mT
+        exact = a * exact + (b * A + c * A @ A) @ exact
+        A = chain @ chain.mT  # torch's half-precision kernels, as the GPU path calls them
+        chain = torch.baddbmm(chain, torch.baddbmm(A, A, A, beta=b, alpha=c), chain, beta=a, alpha=1.0)
+    err, err_chain = ((got - exact).norm() / exact.norm()).item(), ((chain.double() - exact).norm() / exact.norm()).item()
+    assert 1e-3 < err < 1.1 * err_chain, (err, err_chain)  # half-precision error, no more
+    assert ((got - chain.double()).norm() / exact.norm()).item() < 0.8 * err_chain  # rounding apart
 
 
 def test_singular_value_band_rejects_the_seed_cubic():
