@@ -212,8 +212,8 @@ def _standin_orthogonalize(x, *, steps=5, method="polar_express", dtype=torch.bf
     return x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
 
 
-def _standin_orthogonalize_packed(X, sumsq, *, steps=5, method="polar_express"):
-    return X / (sumsq.sqrt().to(X.dtype).view(-1, 1, 1) + 1e-7)
+def _standin_iterate(X, inv, coeffs):
+    return X * inv.to(X.dtype).view(-1, 1, 1)
 
 
 def make_normuon(kind, params, mods, ortho_dtype):
@@ -316,7 +316,7 @@ def main_normuon(args) -> int:
     if args.no_ortho:
         for m in mods.values():
             m.orthogonalize = _standin_orthogonalize
-        normuon_mod.orthogonalize_packed = _standin_orthogonalize_packed
+        normuon_mod.ns_kernels.iterate = _standin_iterate
     params0 = normuon_params(args.flavor, args.device, args.moe_on_normuon)
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(p.shape, generator=g).to(args.device) for p in params0]

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import hymo_kernels.normuon.fused as normuon_kernels
+import hymo_kernels.normuon.ns as ns_kernels
 from hymo_recipes.optim._base import GroupStepOptimizer
 from hymo_recipes.optim._dist import (
     all_reduce_sum,
@@ -110,15 +111,6 @@ def orthogonalize(
     if transposed:
         X = X.mT
     return X.reshape(shape)
-
-
-def orthogonalize_packed(X: Tensor, sumsq: Tensor, *, steps: int = 5, method: str = "polar_express") -> Tensor:
-    """``orthogonalize`` of matrices already cast and laid out for the iteration: X [B, a, b] with
-    a ≤ b in the iteration's dtype, ``sumsq`` [B] the squared Frobenius norms of the values X was
-    cast from (the fused momentum pass gives both, hymo_kernels.normuon). Returns [B, a, b]."""
-    coeffs, margin, eps = _iteration(method, steps)
-    scale = (sumsq.sqrt() * margin + eps).to(X.dtype).view(-1, 1, 1)
-    return _iterate(X / scale, coeffs)
 
 
 def _iteration(method: str, steps: int) -> tuple[list[tuple[float, float, float]], float, float]:
@@ -502,7 +494,8 @@ class NorMuon(GroupStepOptimizer):
                         device=moms[0].device)
         sumsq = normuon_kernels.momentum_pack_(grads, moms, X, group["momentum"], group["nesterov"], transposed,
                                                tables=(g_tab, m_tab))
-        X = orthogonalize_packed(X, sumsq, steps=group["ns_steps"], method=group["orthogonalizer"])
+        coeffs, margin, eps = _iteration(group["orthogonalizer"], group["ns_steps"])
+        X = ns_kernels.iterate(X, 1.0 / (sumsq.sqrt() * margin + eps), coeffs)
         factor = None
         if group["neuron_norm"]:
             V, d, sq = _stats_from_rowsq(normuon_kernels.row_sumsq(X, transposed), b.stack(vs, 1), group["beta2"],
