@@ -2,9 +2,8 @@
 what it computes) as three batched-GEMM launches per step.
 
 Why not torch's ``baddbmm``: cuBLAS writes αPQ + βC over C itself, so torch's out-of-place
-``baddbmm`` first copies C into the output: an X-sized and an A-sized copy per step (85 launches
-and ~15 % of the orthogonalisation's time at hymo_small), and the first step's X / scale is one
-more pass. Here the addend is read in the GEMM's epilogue, the per-matrix scale is applied to
+``baddbmm`` first copies C into the output: an X-sized and an A-sized copy per step, and the
+first step's X / scale is one more pass (BENCHMARKS.md has what they cost). Here the addend is read in the GEMM's epilogue, the per-matrix scale is applied to
 the fp32 results, and the two symmetric products (A = X Xᵀ and B = cA² + bA) compute only the
 tiles on and above the diagonal, writing each off-diagonal tile twice (itself and its
 transpose): ~30 % fewer MMA FLOPs for a wide [m, ~2m] matrix.
