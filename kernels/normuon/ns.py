@@ -6,7 +6,7 @@ Why not torch's ``baddbmm``: cuBLAS writes αPQ + βC over C itself, so torch's 
 first step's X / scale is one more pass (BENCHMARKS.md has what they cost). Here the addend is read in the GEMM's epilogue, the per-matrix scale is applied to
 the fp32 results, and the two symmetric products (A = X Xᵀ and B = cA² + bA) compute only the
 tiles on and above the diagonal, writing each off-diagonal tile twice (itself and its
-transpose): ~30 % fewer MMA FLOPs for a wide [m, ~2m] matrix.
+transpose): about a quarter fewer MMA FLOPs for a wide [m, ~2m] matrix at the shipped tiles.
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ def _mm(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, inv: torch.Tensor, 
     B, M, K = P.shape
     N = Q.shape[2]
     BM, BN, BK, warps, stages = _tiles(M)
+    if P.dtype == torch.float32:  # fp32 tiles take twice the shared memory per stage
+        stages = min(stages, 2)
     if symmetric:
         BN = BM
     Dt = D if D is not None else out

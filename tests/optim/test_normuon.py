@@ -225,6 +225,13 @@ def test_half_precision_iteration_on_the_cpu_is_the_gpus_rounding(dtype):
     err, err_chain = ((got - exact).norm() / exact.norm()).item(), ((chain.double() - exact).norm() / exact.norm()).item()
     assert 1e-3 < err < 1.1 * err_chain, (err, err_chain)  # half-precision error, no more
     assert ((got - chain.double()).norm() / exact.norm()).item() < 0.8 * err_chain  # rounding apart
+    # and it is the fp32-product path, not torch's half-precision kernels
+    Y = X
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        Yf = Y.float()
+        A = torch.bmm(Yf, Yf.mT).to(dtype).float()
+        Y = torch.baddbmm(Yf, torch.baddbmm(A, A, A, beta=b, alpha=c).to(dtype).float(), Yf, beta=a).to(dtype)
+    assert torch.equal(got, Y.double())
 
 
 def test_singular_value_band_rejects_the_seed_cubic():
