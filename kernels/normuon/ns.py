@@ -86,9 +86,10 @@ if _TRITON_ERROR is None:
                      mask=(rn[:, None] < N) & (rm[None, :] < M))
 
 
-def _tiles(m: int) -> tuple[int, int, int, int, int]:
-    if _INTERPRET:  # the CPU interpreter's cost is per program and op: few, large tiles
-        return (64, 64, 64, 4, 1)
+def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    if _INTERPRET:  # the CPU interpreter computes whole tiles, padding included: fit them to the shape
+        fit = [min(max(triton.next_power_of_2(x), 16), 64) for x in (m, n, k)]
+        return (*fit, 4, 1)
     return TILES["small" if m <= 32 else "mid" if m <= 128 else "large"]
 
 
@@ -96,7 +97,7 @@ def _mm(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, inv: torch.Tensor, 
         D: torch.Tensor | None = None, beta: float = 0.0, beta_pow: int = 0, symmetric: bool = False) -> None:
     B, M, K = P.shape
     N = Q.shape[2]
-    BM, BN, BK, warps, stages = _tiles(M)
+    BM, BN, BK, warps, stages = _tiles(M, N, K)
     if P.dtype == torch.float32:  # fp32 tiles take twice the shared memory per stage
         stages = min(stages, 2)
     if symmetric:

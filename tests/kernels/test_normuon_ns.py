@@ -27,7 +27,7 @@ def _case(B, m, n, dtype=torch.float32, seed=0):
 @pytest.fixture
 def small_tiles(monkeypatch):
     # 16-wide tiles: m = 20 gives two tile rows (one partial), n = 36 three columns
-    monkeypatch.setattr(ns, "_tiles", lambda m: (16, 16, 16, 1, 1))
+    monkeypatch.setattr(ns, "_tiles", lambda m, n, k: (16, 16, 16, 1, 1))
 
 
 def test_iteration_matches_the_reference(small_tiles):
