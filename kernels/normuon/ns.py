@@ -3,8 +3,8 @@ what it computes) as three batched-GEMM launches per step.
 
 Why not torch's ``baddbmm``: cuBLAS writes αPQ + βC over C itself, so torch's out-of-place
 ``baddbmm`` first copies C into the output: an X-sized and an A-sized copy per step, and the
-first step's X / scale is one more pass (BENCHMARKS.md has what they cost). Here the addend is read in the GEMM's epilogue, the per-matrix scale is applied to
-the fp32 results, and the two symmetric products (A = X Xᵀ and B = cA² + bA) compute only the
+first step's X / scale is one more pass (BENCHMARKS.md has what they cost). Here the addend is
+read in the GEMM's epilogue, the per-matrix scale is applied to the fp32 results, and the two symmetric products (A = X Xᵀ and B = cA² + bA) compute only the
 tiles on and above the diagonal, writing each off-diagonal tile twice (itself and its
 transpose): about a quarter fewer MMA FLOPs for a wide [m, ~2m] matrix at the shipped tiles.
 """
@@ -27,7 +27,8 @@ except ImportError as e:  # the GPU path needs Triton; the reference does not
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (BM, BN, BK, num_warps, num_stages) by the product's output side: the square products' tiles
-# are square (the mirrored write needs BM == BN). Chosen on an H100 with benchmarks/ns_bench.py.
+# are square (the mirrored write needs BM == BN). "large" chosen on an H100 by
+# `benchmarks/ns_bench.py --sweep`; "small" and "mid" not tuned (their batches timed the host).
 TILES = {
     "small": (32, 64, 64, 4, 3),  # m ≤ 32
     "mid": (64, 64, 64, 4, 3),  # m ≤ 128
