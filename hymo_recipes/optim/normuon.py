@@ -488,7 +488,8 @@ class NorMuon(GroupStepOptimizer):
         m, k = b.rows, b.cols
         transposed = m > k  # the iteration runs on the wide orientation
         grads, moms, weights = _members(b, gs, ms, ws)
-        g_tab, m_tab, w_tab = self._batch_tables(group, j, b, grads, moms, weights)
+        v_members = [vs[i] for i in b.idxs]
+        g_tab, m_tab, w_tab, v_tab = self._batch_tables(group, j, b, grads, moms, weights, v_members)
         B = sum(b.counts)
         X = torch.empty((B, k, m) if transposed else (B, m, k), dtype=_ORTHO_DTYPES[group["ortho_dtype"]],
                         device=moms[0].device)
@@ -498,29 +499,27 @@ class NorMuon(GroupStepOptimizer):
         X = ns_kernels.iterate(X, 1.0 / (sumsq.sqrt() * margin + eps), coeffs)
         factor = None
         if group["neuron_norm"]:
-            V, d, sq = _stats_from_rowsq(normuon_kernels.row_sumsq(X, transposed), b.stack(vs, 1), group["beta2"],
-                                         group["eps"], k)
-            torch._foreach_copy_([vs[i] for i in b.idxs], b.unstack(V))
-            # clamp: an all-zero update (zero grad and momentum) stays exactly zero
-            factor = ((sq[0] / sq[1].clamp_min(1e-30)).sqrt().unsqueeze(-1) / d).contiguous()
+            factor = normuon_kernels.neuron_factor_(normuon_kernels.row_sumsq(X, transposed), v_members,
+                                                    group["beta2"], group["eps"], k, v_table=v_tab)
         normuon_kernels.apply_update_(X, factor, weights, self._lr_s(group, index, j, b, lr), lr_wd, apply_wd,
                                       group["cautious_wd"], transposed, w_table=w_tab)
 
-    def _batch_tables(self, group: dict[str, Any], j: int, b: _Batch, grads, moms, weights) -> list[Tensor]:
-        """The address tables of batch j's gradients, momentum buffers and weights, rebuilt only
+    def _batch_tables(self, group: dict[str, Any], j: int, b: _Batch, grads, moms, weights, vs) -> list[Tensor]:
+        """The address tables of batch j's gradients, momentum buffers, weights and neuron second
+        moments, rebuilt only
         when an address changed (the gradients may move between steps; under a CUDA graph they
         are its static buffers, whose tables ``prepare_capture`` builds before the capture: a copy
         to the device cannot be captured from pageable memory, and none is needed)."""
         out = []
-        for kind, members in (("g", grads), ("m", moms), ("w", weights)):
+        for kind, members, (m, k) in (("g", grads, (b.rows, b.cols)), ("m", moms, (b.rows, b.cols)),
+                                      ("w", weights, (b.rows, b.cols)), ("v", vs, (1, b.rows))):
             key, ptrs = (id(group), j, kind), tuple((t.data_ptr(), t.dtype) for t in members)
             hit = self._tables.get(key)
             if hit is None or hit[0] != ptrs:
                 if members[0].is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("NorMuon(fused=True): an address table was not built before the CUDA graph's "
                                        "capture (GraphedStep calls prepare_capture first)")
-                hit = self._tables[key] = (ptrs, normuon_kernels.address_table(members, b.rows, b.cols,
-                                                                              members[0].device))
+                hit = self._tables[key] = (ptrs, normuon_kernels.address_table(members, m, k, members[0].device))
             out.append(hit[1])
         return out
 
@@ -532,7 +531,7 @@ class NorMuon(GroupStepOptimizer):
         for group in self.param_groups:
             if not group["params"]:
                 continue
-            ms, gs, _, ws = self._local_lists(group["params"])
+            ms, gs, vs, ws = self._local_lists(group["params"])
             for j, b in enumerate(self._batches(group["params"])):
                 if b.row_group is None:
                     if len({gs[i].dtype for i in b.idxs}) > 1:
@@ -541,7 +540,7 @@ class NorMuon(GroupStepOptimizer):
                         raise ValueError("NorMuon(fused=True) under a CUDA graph needs one gradient dtype per batch of "
                                          f"same-shape matrices; [{b.rows}, {b.cols}] has "
                                          f"{sorted(str(gs[i].dtype) for i in b.idxs)}")
-                    self._batch_tables(group, j, b, *_members(b, gs, ms, ws))
+                    self._batch_tables(group, j, b, *_members(b, gs, ms, ws), [vs[i] for i in b.idxs])
 
     def _compiled_scalar(self, x: float | Tensor, params: list[Tensor]) -> float | Tensor:
         """lr·s and lr·wd for the compiled maths and the fused kernels (which read them from device

@@ -10,6 +10,6 @@ same-shape matrices (hymo_recipes/optim/normuon.py, ``fused=True``).
   the epilogues, the symmetric products' upper tiles only.
 """
 
-from .fused_torch import apply_update_, momentum_pack_, row_sumsq
+from .fused_torch import apply_update_, momentum_pack_, neuron_factor_, row_sumsq
 
-__all__ = ["apply_update_", "momentum_pack_", "row_sumsq"]
+__all__ = ["apply_update_", "momentum_pack_", "neuron_factor_", "row_sumsq"]

@@ -1,4 +1,4 @@
-"""NorMuon's three passes over a batch of same-shape matrices, one Triton launch each
+"""NorMuon's passes over a batch of same-shape matrices, one Triton launch each
 (hymo_kernels.normuon.fused_torch is the reference and says what each pass computes).
 
 Why: the PyTorch step makes ~15 passes over the update besides the orthogonalisation's GEMMs
@@ -84,6 +84,19 @@ if _TRITON_ERROR is None:
             o = tl.load(X + _x_offsets(i, rows, cols, m, k, TRANS), mask=mask, other=0.0).to(tl.float32)
             acc += o * o
         tl.store(out + i * m + rows, tl.sum(acc, 1), mask=rows < m)
+
+    @triton.jit
+    def _neuron_factor_kernel(rowsq, v_tab, factor, m, inv_cols, one_minus_beta2, eps, BM: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        rows = tl.arange(0, BM)
+        mask = rows < m
+        v_ptr = tl.load(v_tab + i).to(tl.pointer_type(tl.float32))
+        r = tl.load(rowsq + i * m + rows, mask=mask, other=0.0)
+        v = _lerp(tl.load(v_ptr + rows, mask=mask, other=0.0), r * inv_cols, one_minus_beta2)
+        tl.store(v_ptr + rows, v, mask=mask)
+        d = tl.sqrt(v) + eps
+        ratio = tl.sqrt(tl.sum(r, 0) / tl.maximum(tl.sum(tl.where(mask, r / (d * d), 0.0), 0), 1e-30))
+        tl.store(factor + i * m + rows, ratio / d, mask=mask)
 
     @triton.jit
     def _apply_kernel(X, factor, w_tab, lr_s, lr_wd, m, k, HAS_FACTOR: tl.constexpr, APPLY_WD: tl.constexpr,
@@ -184,6 +197,25 @@ def row_sumsq(X: torch.Tensor, transposed: bool) -> torch.Tensor:
     _row_sumsq_kernel[(B, triton.cdiv(m, BLOCK_ROWS))](X, out, m, k, TRANS=transposed, BR=BLOCK_ROWS,
                                                        BK=BLOCK_COLS, num_warps=4)
     return out
+
+
+def neuron_factor_(rowsq: torch.Tensor, vs: list[torch.Tensor], beta2: float, eps: float, cols: int,
+                   v_table: torch.Tensor | None = None) -> torch.Tensor:
+    """As fused_torch.neuron_factor_, in one launch (one program per matrix). ``v_table``: the
+    second moments' address table when the caller keeps it."""
+    _check("neuron_factor_", rowsq.device)
+    if rowsq.ndim != 2 or not rowsq.is_contiguous() or rowsq.dtype != torch.float32:
+        raise ValueError(f"hymo_kernels.normuon.neuron_factor_: rowsq must be contiguous fp32 [B, m], got "
+                         f"{tuple(rowsq.shape)} {rowsq.dtype}")
+    if any(v.dtype != torch.float32 for v in vs):
+        raise TypeError("hymo_kernels.normuon.neuron_factor_: fp32 second moments")
+    B, m = rowsq.shape
+    v_tab = v_table if v_table is not None else address_table(vs, 1, m, rowsq.device)
+    factor = torch.empty(B, m, dtype=torch.float32, device=rowsq.device)
+    with _reached(vs):
+        _neuron_factor_kernel[(B,)](rowsq, v_tab, factor, m, 1.0 / cols, 1.0 - beta2, float(eps),
+                                    BM=triton.next_power_of_2(m), num_warps=4)
+    return factor
 
 
 def apply_update_(X: torch.Tensor, factor: torch.Tensor | None, params: list[torch.Tensor], lr_s: torch.Tensor,

@@ -1,4 +1,4 @@
-"""The PyTorch reference of NorMuon's three passes over a batch of B same-shape [m, k] matrices.
+"""The PyTorch reference of NorMuon's four passes over a batch of B same-shape [m, k] matrices.
 
 The members of a batch are tensors of shape [m, k] or [c, m, k] (c matrices each, an expert
 stack); in member order they are the batch's B matrices. ``X`` is the batch in the
@@ -8,7 +8,11 @@ on the wide orientation).
 1. ``momentum_pack_``: M ← lerp(M, G, 1 − β1); U = lerp(G, M, β1) (Nesterov) or M; X ← U in
    X's dtype; the squared Frobenius norm of each U (fp32, before the cast).
 2. ``row_sumsq``: Σ_j O_ij² per output row i of each matrix, O = X (or Xᵀ).
-3. ``apply_update_``: Ô = O · f (one factor per row, or none); W ← W − lr·wd·[Ô ⊙ W ≥ 0]·W
+3. ``neuron_factor_``: from those row sums r (O has k columns), the neuron second moments
+   V ← lerp(V, r / k, 1 − β2) in place, d = √V + eps, and each row's factor
+   f = √(Σ r / max(Σ r / d², 1e-30)) / d: Ô = O · f is O / d rescaled to ‖O‖_F (an all-zero O
+   stays zero).
+4. ``apply_update_``: Ô = O · f (one factor per row, or none); W ← W − lr·wd·[Ô ⊙ W ≥ 0]·W
    (or without the mask, or no decay) − lr·s·Ô.
 """
 
@@ -39,6 +43,22 @@ def momentum_pack_(grads: list[Tensor], moms: list[Tensor], X: Tensor, beta1: fl
 def row_sumsq(X: Tensor, transposed: bool) -> Tensor:
     """Σ over each output row of O², [B, m] fp32 (O = Xᵀ per matrix when ``transposed``)."""
     return X.float().square().sum(dim=-2 if transposed else -1)
+
+
+def neuron_factor_(rowsq: Tensor, vs: list[Tensor], beta2: float, eps: float, cols: int) -> Tensor:
+    """Updates the members' neuron second moments ([m] or [c, m], fp32) in place; returns the
+    per-row factors [B, m] fp32."""
+    m = rowsq.shape[-1]
+    V = torch.cat([v.reshape(-1, m) for v in vs])
+    V = V.lerp(rowsq / cols, 1.0 - beta2)
+    start = 0
+    for v in vs:
+        n = v.numel() // m
+        v.copy_(V[start:start + n].view_as(v))
+        start += n
+    d = V.sqrt() + eps
+    ratio = (rowsq.sum(dim=-1) / (rowsq / d.square()).sum(dim=-1).clamp_min(1e-30)).sqrt()
+    return ratio.unsqueeze(-1) / d
 
 
 def apply_update_(X: Tensor, factor: Tensor | None, params: list[Tensor], lr_s: Tensor, lr_wd: Tensor,

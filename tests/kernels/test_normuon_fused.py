@@ -1,4 +1,4 @@
-"""hymo_kernels.normuon: NorMuon's three passes as Triton launches against their PyTorch
+"""hymo_kernels.normuon: NorMuon's four passes as Triton launches against their PyTorch
 reference (fused_torch). On CPU in Triton's interpreter (fp32, and bf16 gradients read into
 fp32, which the interpreter converts right; row blocks shrunk so that several programs and
 partial blocks are walked); bf16 and real shapes on the GPU (marked gpu)."""
@@ -63,6 +63,24 @@ def test_row_sumsq_matches_the_reference(layout, small_blocks):
     out = fused.row_sumsq(X, transposed)
     assert out.shape == (4, m)
     torch.testing.assert_close(out, ref.row_sumsq(X, transposed), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("layout", list(SHAPES))
+def test_neuron_factor_matches_the_reference(layout):
+    shapes, m, k, transposed, B = _layout(layout)
+    # the second moments: [m] per 2-D member, [c, m] per expert stack (NorMuon's neuron_v)
+    vs = _members([s[:-1] for s in shapes], seed=6)
+    vs = [v.abs() for v in vs]
+    vs_ref = [v.clone() for v in vs]
+    rowsq = _members([(B, m)], seed=7)[0].abs()
+    rowsq[1] = 0.0  # an all-zero update: its factors are finite (the clamp)
+    got = fused.neuron_factor_(rowsq, vs, 0.95, 1e-8, k)
+    want = ref.neuron_factor_(rowsq, vs_ref, 0.95, 1e-8, k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(vs, vs_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(got).all()
+    assert not torch.equal(vs[-1], _members([s[:-1] for s in shapes], seed=6)[-1].abs())  # written in place
 
 
 @pytest.mark.parametrize("wd", ["cautious", "plain_wd", "no_wd"])
@@ -131,6 +149,13 @@ def test_gpu_passes_at_a_models_shapes_in_bf16(layout, wdtype):
     torch.testing.assert_close(X, X_ref, rtol=1e-2, atol=1e-6)  # one bf16 rounding apart at most
     torch.testing.assert_close(sq, sq_ref, rtol=1e-4, atol=0)
     torch.testing.assert_close(fused.row_sumsq(X, transposed), ref.row_sumsq(X, transposed), rtol=1e-4, atol=0)
+    rowsq = ref.row_sumsq(X, transposed)
+    vs = [torch.rand(s[:-1], device=DEV) for s in shapes]
+    vs_ref = [v.clone() for v in vs]
+    torch.testing.assert_close(fused.neuron_factor_(rowsq, vs, 0.95, 1e-8, k),
+                               ref.neuron_factor_(rowsq, vs_ref, 0.95, 1e-8, k), rtol=1e-5, atol=1e-6)
+    for a, b in zip(vs, vs_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     params = _members(shapes, wdtype, seed=4)
     params_ref = [p.clone() for p in params]
     factor = torch.rand(5, m, device=DEV) + 0.5

@@ -128,7 +128,7 @@ def test_fused_equals_per_parameter(variant):
     """The fused kernels (hymo_kernels.normuon, in Triton's interpreter, whose bf16 is not the
     GPU's: fp32 here, bf16 in the GPU test below) give the per-parameter step."""
     W0, params, ref, opt, states = run_both(VARIANTS[variant], "float32", fused=True)
-    assert len(opt._tables) == 3 * len(opt._batches(params))  # the kernels ran, for every batch
+    assert len(opt._tables) == 4 * len(opt._batches(params))  # the kernels ran, for every batch
     assert max(_update_errors(params, ref, W0)) <= 1e-5
     for i, (p, w0, st) in enumerate(zip(params, W0, states)):
         msg = lambda m, i=i: f"param {i} {tuple(w0.shape)}: {m}"  # noqa: E731
