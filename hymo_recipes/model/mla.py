@@ -52,13 +52,50 @@ def document_attention_mask(positions: torch.Tensor):
     elsewhere the dense ``document_causal_mask`` for SDPA (flex attention has no CPU backward)."""
     if positions.device.type != "cuda":
         return document_causal_mask(positions)
-    from torch.nn.attention.flex_attention import create_block_mask
+    return document_block_mask(positions)
+
+
+FLEX_BLOCK = 128  # flex attention's default sparse block, rows and columns
+
+
+def document_block_mask(positions: torch.Tensor, block: int = FLEX_BLOCK):
+    """``document_causal_mask`` as a flex-attention BlockMask, built from the document starts
+    at block granularity: O((T / block)²) work, where ``create_block_mask`` evaluates the mask
+    at every one of the T² (query, key) pairs.
+
+    Token i sees keys s_i .. i, s_i = i − positions[i] its document's start; s is
+    non-decreasing in i, so a query block [a, e) sees the keys of one interval, s_a .. e − 1. A
+    (query block, key block) pair is skipped where the two do not meet, full where every key of
+    a whole key block lies in s_{e−1} .. a (and both blocks are whole), partial otherwise: the
+    BlockMask ``create_block_mask(causal_in_document, ...)`` builds, entry for entry (a test
+    compares them).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     def causal_in_document(b, h, q, kv):
         return (kv <= q) & (kv >= q - positions[q])
 
     T = positions.shape[0]
-    return create_block_mask(causal_in_document, None, None, T, T, device=positions.device, _compile=True)
+    n = -(-T // block)
+    first = torch.arange(n, device=positions.device) * block  # each block's first row (or column)
+    last = (first + block).clamp(max=T) - 1
+    starts = torch.arange(T, device=positions.device) - positions  # each token's document start
+    whole = first + block <= T
+    # [query block, key block]
+    meets = (first[None, :] <= last[:, None]) & (last[None, :] >= starts[first][:, None])
+    full = ((first[None, :] >= starts[last][:, None]) & (last[None, :] <= first[:, None])
+            & whole[:, None] & whole[None, :])
+    partial = meets & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # create_block_mask's layout: [1, 1, rows] counts, [1, 1, rows, cols] column indices
+        # with the marked columns first, ascending
+        dense = dense.to(torch.int32)[None, None]
+        order = torch.argsort(dense, dim=-1, descending=True, stable=True)
+        return dense.sum(-1).to(torch.int32), order.to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block,
+                                    mask_mod=causal_in_document, seq_lengths=(T, T))
 
 
 _compiled_flex = None

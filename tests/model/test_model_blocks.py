@@ -199,6 +199,42 @@ def test_positions_and_document_mask_match_brute_force():
         positions_in_documents(torch.tensor([0, 3, 9]), 8)
 
 
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("T", [128, 200, 1024, 1500])
+def test_document_block_mask_is_create_block_masks(T):
+    """The GPU path's BlockMask, built from the document starts block by block, against flex
+    attention's own create_block_mask evaluating the mask at every (query, key) pair: every
+    index table equal. Layouts: one document, random cuts, a cut on a block edge, documents
+    shorter than a block, and a row that starts inside a document (positions not from 0)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hymo_recipes.model.mla import document_block_mask
+
+    gen = torch.Generator().manual_seed(T)
+    layouts = [([], 0), ([min(128, T - 1)], 0), (list(range(1, T, 37)), 0)]
+    for trial in range(6):
+        cuts = torch.randint(1, T, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)
+        layouts.append((sorted(set(cuts.tolist())), 0 if trial % 2 else 1 + trial * 50))
+    for cuts, offset in layouts:
+        cu = torch.tensor([0, *cuts, T])
+        pos = positions_in_documents(cu, T)
+        pos[: cu[1]] += offset
+
+        def causal_in_document(b, h, q, kv):
+            return (kv <= q) & (kv >= q - pos[q])
+
+        want = create_block_mask(causal_in_document, None, None, T, T, device="cpu", _compile=False)
+        got = document_block_mask(pos)
+        assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+        for field in BLOCK_MASK_FIELDS:
+            a, b = getattr(got, field), getattr(want, field)
+            assert a.dtype == b.dtype and torch.equal(a, b), (cuts, offset, field)
+        assert got.mask_mod(0, 0, torch.tensor(T - 1), torch.tensor(0)) == bool(pos[T - 1] >= T - 1)
+
+
 def test_rope_scores_depend_only_on_relative_position():
     cache = precompute_rope_cache(8, 64, 1e4)
     gen = torch.Generator().manual_seed(0)
