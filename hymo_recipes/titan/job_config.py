@@ -108,6 +108,11 @@ class Hymo:
     and gradient dtype (hymo_kernels.accum; the same sums bitwise) instead of FSDP2's one
     PyTorch add per parameter, whose mixed-dtype kernel moves one element per load. Sums in
     another dtype stay with FSDP2's adds (the log says so). Off: FSDP2's own adds."""
+    fsdp_one_rank_copy: bool = True
+    """On one data-parallel rank, where FSDP2 has nothing to gather, each unit's gather before
+    the forward is one multi-tensor cast of its fp32 parameters into their bf16 storage
+    (torch._foreach_copy_) instead of FSDP2's cast and copy per parameter, which the GPU waits
+    for at the start of every step. The same values bitwise. Off: FSDP2's own loop."""
     data_prefetch: bool = True
     """Read and prepare each step's training batches (cut from the token stream, collated, their
     documents found, pinned for the copy to the GPU) on a background thread while the step

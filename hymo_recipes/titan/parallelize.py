@@ -113,6 +113,9 @@ def parallelize_hymo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                                                     mesh.size()),
         units=units,
     )
+    if mesh.size() == 1 and getattr(hymo, "fsdp_one_rank_copy", True):
+        apply_one_rank_copy(model)
+        logger.info("FSDP's one-rank gather: one multi-tensor cast-and-copy per FSDP unit ([hymo] fsdp_one_rank_copy)")
     if sync_once and getattr(hymo, "fsdp_accumulate_kernel", True):
         apply_grad_accumulation(model)
         logger.info("FSDP's gradient sums over a step's microbatches: one hymo_kernels.accum launch per unit "
@@ -185,23 +188,93 @@ def apply_grad_accumulation(model: nn.Module) -> None:
     added gradients, which leaves FSDP's own loop nothing to add. The kernel takes CUDA pairs
     whose sum is fp32 (the configs' reduction dtype), contiguous and 16-byte aligned; FSDP's
     loop adds any other pair, as before, and the log says so once."""
-    seen: set[int] = set()
+    for group in fsdp_param_groups(model):
+        if not hasattr(group, "post_backward"):
+            raise RuntimeError("apply_grad_accumulation: this torch's FSDP2 has no FSDPParamGroup.post_backward "
+                               f"(torch {torch.__version__}); set [hymo] fsdp_accumulate_kernel = false")
+        group.post_backward = _accumulating_first(group, group.post_backward)
+
+
+def fsdp_param_groups(model: nn.Module) -> list:
+    """FSDP2's parameter groups (FSDPParamGroup: one per unit) of ``model``, each once."""
+    groups, seen = [], set()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # torch versions with one parameter group per state
-            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
-        for group in groups:
-            if id(group) in seen:
-                continue
-            seen.add(id(group))
-            if not hasattr(group, "fsdp_params") or not hasattr(group, "post_backward"):
-                raise RuntimeError("apply_grad_accumulation: this torch's FSDP2 has no FSDPParamGroup.fsdp_params "
-                                   f"/ post_backward (torch {torch.__version__}); set [hymo] "
-                                   "fsdp_accumulate_kernel = false")
-            group.post_backward = _accumulating_first(group, group.post_backward)
+        found = getattr(state, "_fsdp_param_groups", None)
+        if found is None:  # torch versions with one parameter group per state
+            found = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in found:
+            if id(group) not in seen:
+                if not hasattr(group, "fsdp_params"):
+                    raise RuntimeError("this torch's FSDP2 has no FSDPParamGroup.fsdp_params "
+                                       f"(torch {torch.__version__}); HyMo's FSDP patches need it")
+                seen.add(id(group))
+                groups.append(group)
+    return groups
+
+
+# What FSDP2's one-rank gather touches (torch 2.11-2.13): the group's and each FSDPParam's.
+_ONE_RANK_GROUP_API = ("_all_gather_result", "_to_unsharded", "_wait_all_gather_streams_on_event",
+                       "device_handle", "device")
+_ONE_RANK_PARAM_API = ("_sharded_param_data", "_sharded_local_tensor", "init_all_gather_outputs", "all_gather_outputs",
+                       "init_unsharded_param", "sharded_state", "offload_to_cpu")
+
+
+def apply_one_rank_copy(model: nn.Module) -> None:
+    """On one rank, each FSDP unit's gather as one multi-tensor cast-and-copy.
+
+    There FSDP2 has nothing to gather: its unshard casts each sharded fp32 parameter to the
+    parameter dtype in a tensor of its own and copies that into the unsharded parameter's
+    storage, two kernels and their Python per parameter, while the GPU, done with the step
+    before, waits for the host. Here the unit's parameters are cast straight into that storage
+    by ``torch._foreach_copy_`` (one launch per dtype pair); the rest (the unsharded parameters
+    set on the modules, the stream events) is FSDP's own code. The same values bitwise.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState, alloc_storage
+
+    for group in fsdp_param_groups(model):
+        missing = [a for a in _ONE_RANK_GROUP_API if not hasattr(group, a)]
+        missing += [f"FSDPParam.{a}" for fp in group.fsdp_params[:1] for a in _ONE_RANK_PARAM_API
+                    if not hasattr(fp, a)]
+        if missing:
+            raise RuntimeError(f"[hymo] fsdp_one_rank_copy: this torch's FSDP2 lacks {', '.join(missing)} "
+                               f"(torch {torch.__version__}); set [hymo] fsdp_one_rank_copy = false")
+        group.wait_for_unshard = _one_rank_wait_for_unshard(group, ShardedState.SHARDED, alloc_storage)
+
+
+def _one_rank_wait_for_unshard(group, sharded, alloc_storage):
+    @torch._dynamo.disable  # like FSDP's own hooks: host code, never traced
+    def wait_for_unshard():
+        if not group._all_gather_result:
+            return  # no unshard before it (FSDP's own check)
+        pairs: dict[tuple, tuple[list, list]] = {}
+        for fp in group.fsdp_params:
+            if (fp.sharded_state != sharded or fp.offload_to_cpu
+                    or hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")):  # a tensor subclass's own gather
+                raise RuntimeError(f"[hymo] fsdp_one_rank_copy: a parameter in state {fp.sharded_state}, offload "
+                                   f"{fp.offload_to_cpu}, of type {type(fp._sharded_local_tensor).__name__}: "
+                                   "only plain sharded tensors are copied; set [hymo] fsdp_one_rank_copy = false")
+            src = fp._sharded_param_data
+            fp.init_all_gather_outputs([src.numel()], [fp.param_dtype or src.dtype], 1, group.device)
+            out = fp.all_gather_outputs[0]
+            alloc_storage(out)
+            outs, srcs = pairs.setdefault((out.dtype, src.dtype), ([], []))
+            outs.append(out)
+            srcs.append(src)
+        for outs, srcs in pairs.values():
+            with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):  # as FSDP's copy
+                torch._foreach_copy_(outs, srcs)
+        for fp in group.fsdp_params:
+            fp.init_unsharded_param()
+        group._to_unsharded()
+        event = group.device_handle.Event()
+        event.record()
+        group._wait_all_gather_streams_on_event(event)
+        group._all_gather_result = None
+
+    return wait_for_unshard
 
 
 ACCUMULATE_DEVICES = ("cuda",)  # where apply_grad_accumulation's kernel adds (the tests add "cpu": the interpreter)

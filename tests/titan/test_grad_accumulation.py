@@ -4,27 +4,12 @@ Triton's interpreter): the same gradients bitwise as FSDP's own loop, and the ke
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 
 import hymo_recipes.titan.parallelize as par
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _model(mesh, units: str, reduce_dtype=torch.float32):
