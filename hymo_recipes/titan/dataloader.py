@@ -35,6 +35,7 @@ import threading
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from datasets import Dataset
@@ -224,8 +225,15 @@ class HymoTextDataset(HuggingFaceTextDataset):
                         continue
                     self._token_buffer.extend(sample_tokens)
                     self._sample_idx += 1
-                    while len(self._token_buffer) >= max_buffer_token_len:
-                        x = torch.LongTensor(self._token_buffer[:max_buffer_token_len])
+                    whole = len(self._token_buffer) // max_buffer_token_len
+                    if not whole:
+                        continue
+                    # the whole sequences in one conversion (numpy's, ~4x torch's from a list:
+                    # this runs on the prefetch thread, holding the GIL the training loop needs);
+                    # the buffer, which a checkpoint saves, loses each one as it is yielded
+                    rows = torch.from_numpy(np.array(self._token_buffer[:whole * max_buffer_token_len],
+                                                     dtype=np.int64)).view(whole, max_buffer_token_len)
+                    for x in rows:
                         self._token_buffer = self._token_buffer[max_buffer_token_len:]
                         yield {"input": x[:-1]}, x[1:]
             finally:
