@@ -3,7 +3,7 @@
 Routed experts (softmax top-k from an FP32 router) plus always-on shared experts. Load is
 balanced without an auxiliary loss (DeepSeek-V3): a bias buffer is added to the scores for
 expert *selection* only, while gate weights come from the unbiased scores; the trainer calls
-``update_expert_bias`` after each optimizer step with the step's per-expert loads. A capacity
+``update_expert_biases`` after each optimizer step with the step's per-expert loads. A capacity
 factor caps every expert at ceil(cf · tokens · top_k / n_experts) assignments (0 = dropless).
 
 Parameter and buffer names follow TorchTitan's MoE (``router.gate``, ``experts.w1/w2/w3``,
@@ -237,33 +237,17 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
-        """The aux-loss-free balancing step, once per optimizer step.
-
-        The EMA (α = moe_load_ema_alpha) tracks each expert's share of the step's assignments;
-        experts below (1 − band) of the mean EMA get +speed, those above (1 + band) get −speed.
-        The EMA starts at zero and is compared with its own mean, so the first steps need no
-        warm-up (a zero start only scales every entry alike). Loads are shares, so counting a
-        step twice (activation-checkpoint recomputation) changes nothing.
+        """The aux-loss-free balancing step, once per optimizer step (``balance_step``).
 
         Args:
             tokens_per_expert: [E] assignments per expert in the step, summed over
                 data-parallel ranks by the caller.
         """
-        # A step without tokens changes nothing; decided on the device (no host sync).
-        total = tokens_per_expert.sum()
-        any_tokens = total > 0
-        share = tokens_per_expert.to(self.load_ema) / total.clamp(min=1)
-        ema = torch.add(self.load_ema * (1 - self.load_ema_alpha), share, alpha=self.load_ema_alpha)
-        mean = ema.mean()
-        under = (ema < (1 - self.balance_band) * mean).float()
-        over = (ema > (1 + self.balance_band) * mean).float()
-        self.load_ema.copy_(torch.where(any_tokens, ema, self.load_ema))
-        self.expert_bias.add_(torch.where(any_tokens, (under - over) * self.bias_update_speed, 0.0))
+        update_expert_biases([self], tokens_per_expert[None])
 
     @torch.no_grad()
     def reset_load_counters(self) -> None:
-        self.tokens_per_expert.zero_()
-        self.dropped_tokens.zero_()
+        reset_load_counters([self])
 
     @torch.no_grad()
     def init_weights(self, init_std: float, out_std: float, buffer_device: torch.device | None = None) -> None:
@@ -275,3 +259,49 @@ class MoE(nn.Module):
         with torch.device(device):
             for name in ("expert_bias", "load_ema", "tokens_per_expert", "dropped_tokens"):
                 setattr(self, name, torch.zeros(self.num_experts, dtype=torch.float32))
+
+
+def balance_step(load_ema: torch.Tensor, tokens_per_expert: torch.Tensor, alpha: float, band: float,
+                 speed: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aux-loss-free balancing step of each row of [..., E] loads: (the new load EMA, the
+    change of the expert bias).
+
+    The EMA (α = moe_load_ema_alpha) tracks each expert's share of the step's assignments;
+    experts below (1 − band) of the mean EMA get +speed, those above (1 + band) get −speed. The
+    EMA starts at zero and is compared with its own mean, so the first steps need no warm-up (a
+    zero start only scales every entry alike). Loads are shares, so counting a step twice
+    (activation-checkpoint recomputation) changes nothing. A row without tokens changes
+    nothing; decided on the device (no host sync).
+    """
+    total = tokens_per_expert.sum(-1, keepdim=True)
+    any_tokens = total > 0
+    share = tokens_per_expert.to(load_ema) / total.clamp(min=1)
+    ema = torch.add(load_ema * (1 - alpha), share, alpha=alpha)
+    mean = ema.mean(-1, keepdim=True)
+    under = (ema < (1 - band) * mean).float()
+    over = (ema > (1 + band) * mean).float()
+    return torch.where(any_tokens, ema, load_ema), torch.where(any_tokens, (under - over) * speed, 0.0)
+
+
+@torch.no_grad()
+def update_expert_biases(moes: list[MoE], tokens_per_expert: torch.Tensor) -> None:
+    """``balance_step`` for several MoE layers at once: ``tokens_per_expert`` [L, E] the step's
+    assignments of each of ``moes``. Layers with the same balancing settings and expert count
+    are updated together, a dozen launches for all of them instead of a dozen per layer (the
+    GPU waits for these launches at the end of every step)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(moes):
+        key = (m.load_ema_alpha, m.balance_band, m.bias_update_speed, m.num_experts, m.load_ema.device)
+        groups.setdefault(key, []).append(i)
+    for (alpha, band, speed, *_), rows in groups.items():
+        layers = [moes[i] for i in rows]
+        ema, change = balance_step(torch.stack([m.load_ema for m in layers]), tokens_per_expert[rows],
+                                   alpha, band, speed)
+        torch._foreach_copy_([m.load_ema for m in layers], list(ema.unbind(0)))
+        torch._foreach_add_([m.expert_bias for m in layers], list(change.unbind(0)))
+
+
+@torch.no_grad()
+def reset_load_counters(moes: list[MoE]) -> None:
+    """Zeroes the step's load counters of ``moes`` (one launch per device and dtype)."""
+    torch._foreach_zero_([t for m in moes for t in (m.tokens_per_expert, m.dropped_tokens)])

@@ -4,14 +4,15 @@ Any HyMo optimizers builder calls ``register_step_hooks(optimizers, model_parts,
 parallel_dims, stats)`` on the container it returns (TorchTitan's ``OptimizersContainer`` fires
 container-level hooks once per train step, not per inner optimizer).
 
-MoE contract (``hymo_recipes.model``): an MoE module is one with ``update_expert_bias``; during
-forward it adds to ``tokens_per_expert`` (fp32 [E], routed token-expert assignments before the
-capacity limit) and ``dropped_tokens`` (fp32 [E], those over the capacity), and
-``reset_load_counters`` zeroes both. After each step this hook sums both over
-the data-parallel ranks (one all-reduce for all layers), feeds the global counts to
-``update_expert_bias`` (an EMA of load *shares*, so the double count under activation
-checkpointing does not move the bias), leaves them in the run's ``StepStats`` for the metrics and resets
-the counters. Every rank applies the same update, so the replicated bias stays identical.
+MoE contract (``hymo_recipes.model.moe``): an MoE module is one with ``update_expert_bias``;
+during forward it adds to ``tokens_per_expert`` (fp32 [E], routed token-expert assignments
+before the capacity limit) and ``dropped_tokens`` (fp32 [E], those over the capacity), and
+``reset_load_counters`` zeroes both. After each step this hook sums both over the
+data-parallel ranks (one all-reduce for all layers), feeds the global counts to
+``update_expert_biases`` (every layer's ``update_expert_bias`` in one batch of launches: an EMA
+of load *shares*, so the double count under activation checkpointing does not move the bias),
+leaves them in the run's ``StepStats`` for the metrics and resets the counters. Every rank
+applies the same update, so the replicated bias stays identical.
 
 A step the optimizer container skipped (``last_step_skipped``: a NaN/Inf loss or gradient,
 hymo_recipes/optim/nan_guard.py) must change nothing: its counts are still all-reduced and
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from hymo_recipes.model.moe import reset_load_counters, update_expert_biases
 from hymo_recipes.titan.metrics import StepStats
 
 
@@ -42,10 +44,9 @@ def balance_experts(moes: list[nn.Module], loss_mesh, stats: StepStats, *, updat
     if loss_mesh is not None:
         torch.distributed.all_reduce(counts, group=loss_mesh.get_group())
     load, dropped = counts
-    for m, layer_load in zip(moes, load):
-        if update:
-            m.update_expert_bias(layer_load)
-        m.reset_load_counters()
+    if update:
+        update_expert_biases(moes, load)
+    reset_load_counters(moes)
     stats.moe_load, stats.moe_dropped = load, dropped
 
 
