@@ -145,6 +145,20 @@ def reference_run(tmp_path_factory):
     return folder, read_scalars(folder)
 
 
+# One process, two microbatches per step, 3 steps: the one-rank runs' common arguments.
+ONE_RANK_TWO_MICROBATCHES = ("--training.steps", "3", "--training.global_batch_size", "8", "--validation.no-enable",
+                             "--checkpoint.no-enable", *MOVING_LR)
+
+
+@pytest.fixture(scope="module")
+def one_rank_default_run(tmp_path_factory):
+    """(log, scalars) of the debug config on one process with ONE_RANK_TWO_MICROBATCHES and every
+    other setting as shipped: the plain run of the one-rank comparisons below (run once)."""
+    folder = tmp_path_factory.mktemp("one_rank_default")
+    log = run_train(folder, 1, *ONE_RANK_TWO_MICROBATCHES)
+    return log, read_scalars(folder)
+
+
 def assert_same_training_metrics(a, b):
     assert REQUIRED_TAGS <= a.keys()
     for tag in REQUIRED_TAGS - TIMING_TAGS:
@@ -282,7 +296,7 @@ def test_document_masking_trains_through_the_loop_and_changes_the_losses(referen
     assert all(masked["validation_metrics/loss"][s] != v for s, v in held_out.items())
 
 
-def test_fsdp_knobs_on_one_rank(tmp_path):
+def test_fsdp_knobs_on_one_rank(tmp_path, one_rank_default_run):
     """Two microbatches per step. With [hymo] fsdp_sync_once_per_step the first microbatch's
     gradients stay in FSDP's unsharded accumulator and only the last one reduce-scatters; on one
     rank the sums are the same additions in the same order, so every logged number is bitwise
@@ -292,17 +306,16 @@ def test_fsdp_knobs_on_one_rank(tmp_path):
     casts, sums and copies; only the order in which autograd adds the tied embedding's gradient
     from its uses may change (FSDP's hooks sit elsewhere in the graph), so the runs agree to
     float32 rounding (assert_agree_to_rounding)."""
-    args = ("--training.steps", "3", "--training.global_batch_size", "8", "--validation.no-enable",
-            "--checkpoint.no-enable", *MOVING_LR)
+    args = ONE_RANK_TWO_MICROBATCHES
     log = run_train(tmp_path / "plain", 1, *args, "--hymo.fsdp_units", "block")
     assert "gradient accumulation steps 2" in log and "(block units)" in log
     plain = read_scalars(tmp_path / "plain")
     run_train(tmp_path / "once", 1, *args, "--hymo.fsdp_units", "block", "--hymo.fsdp_sync_once_per_step")
     assert_same_training_metrics(plain, read_scalars(tmp_path / "once"))
     # the default on one rank ("auto"): the root alone, gradients reduced once per step
-    log = run_train(tmp_path / "model", 1, *args)
+    log, model = one_rank_default_run
     assert "(model units, gradients reduced once per step)" in log
-    assert_agree_to_rounding(plain, read_scalars(tmp_path / "model"))
+    assert_agree_to_rounding(plain, model)
 
 
 def assert_agree_to_rounding(a: dict, b: dict) -> None:
@@ -322,18 +335,16 @@ def assert_agree_to_rounding(a: dict, b: dict) -> None:
             assert math.isclose(value, b[tag][step], rel_tol=tol, abs_tol=1e-6), (tag, step, value, b[tag][step])
 
 
-def test_fused_loss_through_the_train_loop(tmp_path):
+def test_fused_loss_through_the_train_loop(tmp_path, one_rank_default_run):
     """The debug model trains with full logits (fused_loss_chunk 0); with the chunked readout +
     cross-entropy (the GPU flavors' path: the labels go to the model, which returns the heads'
     sums) every logged loss, per-head cross-entropy, norm and lr agrees to float32 rounding over
     steps of two microbatches (assert_agree_to_rounding), so its gradients are the same (one off
     by a scale or a head would show in step 1's grad norm). Chunks of 100 tokens do not divide a
     microbatch."""
-    args = ("--training.steps", "3", "--training.global_batch_size", "8", "--validation.no-enable",
-            "--checkpoint.no-enable", *MOVING_LR)
-    run_train(tmp_path / "plain", 1, *args)
-    run_train(tmp_path / "fused", 1, *args, "--hymo.fused_loss_chunk", "100")
-    plain, fused = read_scalars(tmp_path / "plain"), read_scalars(tmp_path / "fused")
+    plain = one_rank_default_run[1]
+    run_train(tmp_path / "fused", 1, *ONE_RANK_TWO_MICROBATCHES, "--hymo.fused_loss_chunk", "100")
+    fused = read_scalars(tmp_path / "fused")
     assert_agree_to_rounding(plain, fused)
     # ... and it did run the other path: the chunked sums round differently somewhere
     assert any(plain[t][s] != fused[t][s] for t in ("loss_metrics/main_ce", "loss_metrics/mtp_1_ce",
