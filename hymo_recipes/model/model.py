@@ -198,6 +198,9 @@ class HymoModel(nn.Module):
             positions: [B·T] each token's index in its document, as ``positions_in_documents``
                 gives it; callers that computed it on the host pass it (computing it here
                 reads cu_seqlens on the host, a synchronisation on the GPU). With cu_seqlens only.
+                Each document's positions count up by one from its first token, so that each
+                token's document start (index − position) never decreases along the tokens:
+                the GPU's attention mask is built from those starts (``mla.document_block_mask``).
             labels: [B, T] next-token targets (IGNORE_INDEX where there is none): return the
                 heads' cross-entropy sums instead of their logits. Head k scores position t
                 against labels[:, t + k] (``mtp.shift_for_head``).

@@ -295,7 +295,8 @@ def update_expert_biases(moes: list[MoE], tokens_per_expert: torch.Tensor) -> No
         groups.setdefault(key, []).append(i)
     for (alpha, band, speed, *_), rows in groups.items():
         layers = [moes[i] for i in rows]
-        loads = torch.stack([tokens_per_expert[i] for i in rows])  # (a list index would copy it from the host)
+        loads = (tokens_per_expert if len(rows) == len(moes)  # else stacked views: a list index would copy
+                 else torch.stack([tokens_per_expert[i] for i in rows]))  # it from the host, a sync
         ema, change = balance_step(torch.stack([m.load_ema for m in layers]), loads, alpha, band, speed)
         torch._foreach_copy_([m.load_ema for m in layers], list(ema.unbind(0)))
         torch._foreach_add_([m.expert_bias for m in layers], list(change.unbind(0)))

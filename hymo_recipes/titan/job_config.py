@@ -112,7 +112,7 @@ class Hymo:
     """On one data-parallel rank, where FSDP2 has nothing to gather, each unit's gather before
     the forward is one multi-tensor cast of its fp32 parameters into their bf16 storage
     (torch._foreach_copy_) instead of FSDP2's cast and copy per parameter, which the GPU waits
-    for at the start of every step. The same values bitwise. Off: FSDP2's own loop."""
+    for at the start of every step. The same rounding, so the same values. Off: FSDP2's own loop."""
     data_prefetch: bool = True
     """Read and prepare each step's training batches (cut from the token stream, collated, their
     documents found, pinned for the copy to the GPU) on a background thread while the step

@@ -229,8 +229,10 @@ def apply_one_rank_copy(model: nn.Module) -> None:
     parameter dtype in a tensor of its own and copies that into the unsharded parameter's
     storage, two kernels and their Python per parameter, while the GPU, done with the step
     before, waits for the host. Here the unit's parameters are cast straight into that storage
-    by ``torch._foreach_copy_`` (one launch per dtype pair); the rest (the unsharded parameters
-    set on the modules, the stream events) is FSDP's own code. The same values bitwise.
+    by one ``torch._foreach_copy_`` call per dtype pair (a few multi-tensor launches); the rest
+    (the unsharded parameters set on the modules, the stream events) is FSDP's own code. The
+    same rounding (to nearest even), so the same values bitwise. Plain sharded tensors only:
+    CPU offload and tensor subclasses with a gather of their own are refused here.
     """
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState, alloc_storage
 
@@ -241,6 +243,11 @@ def apply_one_rank_copy(model: nn.Module) -> None:
         if missing:
             raise RuntimeError(f"[hymo] fsdp_one_rank_copy: this torch's FSDP2 lacks {', '.join(missing)} "
                                f"(torch {torch.__version__}); set [hymo] fsdp_one_rank_copy = false")
+        for fp in group.fsdp_params:
+            if fp.offload_to_cpu or hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+                raise RuntimeError(f"[hymo] fsdp_one_rank_copy: a parameter with CPU offload ({fp.offload_to_cpu}) "
+                                   f"or of type {type(fp._sharded_local_tensor).__name__}: only plain sharded "
+                                   "tensors are copied; set [hymo] fsdp_one_rank_copy = false")
         group.wait_for_unshard = _one_rank_wait_for_unshard(group, ShardedState.SHARDED, alloc_storage)
 
 
@@ -251,11 +258,9 @@ def _one_rank_wait_for_unshard(group, sharded, alloc_storage):
             return  # no unshard before it (FSDP's own check)
         pairs: dict[tuple, tuple[list, list]] = {}
         for fp in group.fsdp_params:
-            if (fp.sharded_state != sharded or fp.offload_to_cpu
-                    or hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")):  # a tensor subclass's own gather
-                raise RuntimeError(f"[hymo] fsdp_one_rank_copy: a parameter in state {fp.sharded_state}, offload "
-                                   f"{fp.offload_to_cpu}, of type {type(fp._sharded_local_tensor).__name__}: "
-                                   "only plain sharded tensors are copied; set [hymo] fsdp_one_rank_copy = false")
+            if fp.sharded_state != sharded:  # resharded to a smaller mesh after the forward: not on one rank
+                raise RuntimeError(f"[hymo] fsdp_one_rank_copy: a parameter in state {fp.sharded_state}; "
+                                   "set [hymo] fsdp_one_rank_copy = false")
             src = fp._sharded_param_data
             fp.init_all_gather_outputs([src.numel()], [fp.param_dtype or src.dtype], 1, group.device)
             out = fp.all_gather_outputs[0]

@@ -4,8 +4,8 @@ Any HyMo optimizers builder calls ``register_step_hooks(optimizers, model_parts,
 parallel_dims, stats)`` on the container it returns (TorchTitan's ``OptimizersContainer`` fires
 container-level hooks once per train step, not per inner optimizer).
 
-MoE contract (``hymo_recipes.model.moe``): an MoE module is one with ``update_expert_bias``;
-during forward it adds to ``tokens_per_expert`` (fp32 [E], routed token-expert assignments
+MoE contract (``hymo_recipes.model.moe``): the MoE modules are the ``MoE`` instances; during
+forward each adds to ``tokens_per_expert`` (fp32 [E], routed token-expert assignments
 before the capacity limit) and ``dropped_tokens`` (fp32 [E], those over the capacity), and
 ``reset_load_counters`` zeroes both. After each step this hook sums both over the
 data-parallel ranks (one all-reduce for all layers), feeds the global counts to
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hymo_recipes.model.moe import reset_load_counters, update_expert_biases
+from hymo_recipes.model.moe import MoE, reset_load_counters, update_expert_biases
 from hymo_recipes.titan.metrics import StepStats
 
 
 def moe_modules(model_parts: list[nn.Module]) -> list[nn.Module]:
-    return [m for part in model_parts for m in part.modules() if hasattr(m, "update_expert_bias")]
+    return [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
 
 
 @torch.no_grad()

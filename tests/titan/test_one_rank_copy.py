@@ -28,11 +28,12 @@ def _train(model, steps: int = 3):
     """Losses, the last step's gradients and the final parameters of ``steps`` SGD steps (each
     step's forward sees the parameters the step before changed)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    device = next(model.parameters()).device
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = model(torch.randn(6, 24, generator=g)).float().square().mean()
+        loss = model(torch.randn(6, 24, generator=g).to(device)).float().square().mean()
         loss.backward()
         losses.append(loss.detach().clone())
         opt.step()
@@ -89,3 +90,34 @@ def test_a_torch_without_the_internals_it_needs_is_refused_in_one_line(one_rank,
     monkeypatch.setattr(par, "_ONE_RANK_GROUP_API", par._ONE_RANK_GROUP_API + ("_no_such_attribute",))
     with pytest.raises(RuntimeError, match="lacks _no_such_attribute .*fsdp_one_rank_copy = false"):
         par.apply_one_rank_copy(model)
+
+
+@pytest.mark.gpu
+def test_gpu_the_same_training_as_fsdps_loop(tmp_path, monkeypatch):
+    """On CUDA, where torch._foreach_copy_ casts fp32 to bf16 in multi-tensor kernels (the CPU
+    copies tensor by tensor): a 1-rank NCCL mesh, the same losses, gradients and parameters
+    bitwise as FSDP's own gather over steps that change the parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this process")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        with torch.device("cuda"):
+            reads = _counting_gathers(monkeypatch)
+            want = _train(_model(mesh, "block", False))
+            assert reads
+            reads.clear()
+            model = _model(mesh, "block", False)
+            par.apply_one_rank_copy(model)
+            got = _train(model)
+            assert not reads
+    finally:
+        dist.destroy_process_group()
+    for w, g in zip(want[0], got[0]):
+        assert torch.equal(w, g)
+    for want_d, got_d in zip(want[1:], got[1:]):
+        for name in want_d:
+            assert torch.equal(want_d[name], got_d[name]), name
