@@ -40,7 +40,8 @@ def balance_experts(moes: list[nn.Module], loss_mesh, stats: StepStats, *, updat
     (unless ``update`` is False: a skipped step), record the global counts in ``stats`` and
     zero the counters."""
     # [2, L, E]: routed and dropped assignments per layer and expert
-    counts = torch.stack([torch.stack([m.tokens_per_expert, m.dropped_tokens]) for m in moes], 1)
+    counts = torch.stack([m.tokens_per_expert for m in moes]
+                         + [m.dropped_tokens for m in moes]).view(2, len(moes), -1)  # one launch
     if loss_mesh is not None:
         torch.distributed.all_reduce(counts, group=loss_mesh.get_group())
     load, dropped = counts
