@@ -38,8 +38,11 @@ own get_nparams_and_flops: TorchTitan's 6 × active non-embedding parameters + 6
 heads × (qk + v head dims) × seq for its models; HyMo's hymo_recipes/model/counts.py adds the
 tied head once per MTP head and the GDN recurrence as the chunked algorithm executes it. Peak
 memory is TorchTitan's (the allocator's peak reserved bytes). The optimizer share is the
-optimizer step's time (CUDA events) over the step time (tokens / tokens/s). Then each HyMo
-run's tokens/s over each peer run's at the same batch and over every peer run.
+optimizer step's time (CUDA events) over the step time (tokens / tokens/s). Then each variant
+or tree run over the same run without it: the ratio of the medians and the step-by-step ratios
+(median, min and max over the timed steps both runs logged; both read the same batches, so these
+leave out the batches' own effect on the step time), and each HyMo run's tokens/s over each
+peer run's at the same batch and over every peer run.
 
 On a GPU, ``nvidia-smi`` samples the first visible GPU's SM clock, power draw and temperature
 every 250 ms while a run trains; the table gives their medians (temperature: maximum) over the
@@ -456,6 +459,17 @@ def run_spec(spec: str, args, workdir: Path, log_dir: Path | None) -> list[Run]:
     return fits[-1:] if fits else tried[:1]
 
 
+def paired_ratios(run: Run, base: Run, warmup: int) -> list[float]:
+    """tokens/s of ``run`` over ``base`` step by step, over the timed steps both logged. Both
+    runs read the same batches in the same order, so a step's ratio leaves out what the batch
+    does to the step time (packed documents change the attention's and the GDN's work): a
+    variant that is faster at every step (min > 1) is faster beyond that noise, which a ratio of
+    medians over a few steps cannot say."""
+    a = {s["step"]: s["tps"] for s in run.steps if s["step"] > warmup}
+    b = {s["step"]: s["tps"] for s in base.steps if s["step"] > warmup}
+    return [a[k] / b[k] for k in sorted(a.keys() & b.keys()) if b[k] > 0]
+
+
 def table(runs: list[Run], warmup: int) -> str:
     rows = ["| run | tokens/s | TFLOP/s | MFU % | peak GiB | optimizer ms (share) | SM MHz (max), W (limit), °C | note |",
             "|---|---|---|---|---|---|---|---|"]
@@ -477,8 +491,13 @@ def table(runs: list[Run], warmup: int) -> str:
     pairs = [(r, b) for r in runs if r.variant and r.steps for b in runs
              if not b.variant and b.steps and (b.preset, b.batch, b.ac) == (r.preset, r.batch, r.ac)]
     if pairs:
-        rows += ["", "| variant run / the same run without it | tokens/s ratio |", "|---|---|"]
-        rows += [f"| {r.name} / {b.name} | {r.median('tps', warmup) / b.median('tps', warmup):.3f} |" for r, b in pairs]
+        rows += ["", "| variant run / the same run without it | tokens/s ratio | step by step: median (min – max), steps |",
+                 "|---|---|---|"]
+        for r, b in pairs:
+            by_step = paired_ratios(r, b, warmup)
+            spread = (f"{statistics.median(by_step):.3f} ({min(by_step):.3f} – {max(by_step):.3f}), {len(by_step)}"
+                      if by_step else "–")
+            rows.append(f"| {r.name} / {b.name} | {r.median('tps', warmup) / b.median('tps', warmup):.3f} | {spread} |")
     if hymo and peers:
         rows += ["", "| HyMo run / peer run | tokens/s ratio |", "|---|---|"]
         for h in hymo:

@@ -291,6 +291,22 @@ def test_table_ratios_against_each_peer():
     assert "5.0 (3.7 %)" in text
 
 
+def test_variant_ratios_step_by_step():
+    """A variant 2 % faster at every step but whose batches make the steps' times differ by far
+    more: the step-by-step ratios say 1.02 at every step; warm-up steps and a step only one run
+    logged are left out."""
+    times = {2: 100_000.0, 3: 130_000.0, 4: 90_000.0, 5: 120_000.0}
+    base = train_bench.Run("hymo_small", 32, "none", seq=4096,
+                           steps=[dict(step=s, mem=39.0, tps=t, tflops=1.0, mfu=1.0) for s, t in times.items()])
+    fast = train_bench.Run("hymo_small", 32, "none", seq=4096, variant="fast",
+                           steps=[dict(step=s, mem=39.0, tps=1.02 * t, tflops=1.0, mfu=1.0)
+                                  for s, t in {**times, 6: 500_000.0}.items()])
+    assert [round(x, 6) for x in train_bench.paired_ratios(fast, base, warmup=2)] == [1.02, 1.02, 1.02]
+    text = train_bench.table([base, fast], warmup=2)
+    # the medians' ratio takes step 6, which only the variant logged: 127,500 / 120,000
+    assert "| hymo_small:32:none:fast / hymo_small:32:none | 1.062 | 1.020 (1.020 – 1.020), 3 |" in text
+
+
 @pytest.mark.slow
 def test_a_tree_run_imports_the_trees_code(tmp_path, capsys):
     """End to end on the CPU: a dry run from a copy of this checkout whose hymo_recipes and
