@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .primitives import (_chunk_tile, _dot, _gb_slot, _gram, _l2norm_rows, _load_packed, _load_rows,
-                         _load_tinv)
+from .primitives import (_chunk_tile, _dot, _gb_slot, _gram, _l2norm_rows, _l2norm_rows_pair, _load_packed,
+                         _load_rows, _load_tinv)
 from .problem import Problem, _cdiv, _geom, _kw
 
 
@@ -44,8 +44,8 @@ def _sub_chunk_grads(
     m_v = o_v < V
     incl = o_r[:, None] >= o_r[None, :]
     lower = o_r[:, None] > o_r[None, :]
-    kb, rk = _l2norm_rows(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
-    qb, rq = _l2norm_rows(_load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
+    kb, qb, rk, rq = _l2norm_rows_pair(_load_rows(k, rows, m_r, i_h, H, K, o_k, m_k),
+                                       _load_rows(q, rows, m_r, i_h, H, K, o_k, m_k), NORM_QK)
     vb = _load_rows(v, rows, m_r, i_h, H, V, o_v, m_v)
     dob = _load_rows(do, rows, m_r, i_h, H, V, o_v, m_v)
     gam, gL, bb = _load_packed(p_gb, BC)
@@ -85,15 +85,27 @@ def _sub_chunk_grads(
     dkb = (_dot(tl.trans(dPG), qs, PREC) + dKt * ed[:, None] + dX * (bb * eg)[:, None]
            + _dot(Gk, kb, PREC) + _dot(tl.trans(Gk), kb, PREC))
     dvb = dY * bb[:, None]
-    xk = tl.sum(dX * kb, 1)  # ⟨dX_r, k_r⟩; ⟨dX_r, X_r⟩ = β_r a_r ⟨dX_r, k_r⟩
-    dbb = eg * xk + tl.sum(dY * vb, 1) + tl.sum(dA * Bkk, 1)
     E = dP * Pm + dA * A
+    # the row sums in pairs of equal widths, one reduction each: ⟨dX_r, k_r⟩ enters dβ_r (times
+    # a_r) and dγ_r (times β_r a_r; ⟨dX_r, X_r⟩ = β_r a_r ⟨dX_r, k_r⟩)
+    dXk = dX * kb
+    if BV == K:
+        sK = tl.sum(tl.join(dXk * eg[:, None] + dY * vb, dQt * Qt + dXk * (bb * eg)[:, None]), 1)
+        dbK, dgK = tl.split(sK)
+    else:
+        xk = tl.sum(dXk, 1)
+        dbK = eg * xk + tl.sum(dY * vb, 1)
+        dgK = tl.sum(dQt * Qt, 1) + bb * eg * xk
+    sC = tl.sum(tl.join(dA * Bkk, E), 1)
+    dbC, dgC = tl.split(sC)
+    dbb = dbK + dbC
     Fk = tl.sum(dKt * Kt, 1)
-    dgam = tl.sum(dQt * Qt, 1) + tl.sum(E, 1) - tl.sum(E, 0) - Fk + bb * eg * xk
+    dgam = dgK + dgC - tl.sum(E, 0) - Fk
     dgb = tl.cumsum(dgam, axis=0, reverse=True) + dgL + tl.sum(Fk, 0)
     if NORM_QK:
-        dqb = rq[:, None] * (dqb - qb * tl.sum(qb * dqb, 1)[:, None])
-        dkb = rk[:, None] * (dkb - kb * tl.sum(kb * dkb, 1)[:, None])
+        sq, sk = tl.split(tl.sum(tl.join(qb * dqb, kb * dkb), 1))
+        dqb = rq[:, None] * (dqb - qb * sq[:, None])
+        dkb = rk[:, None] * (dkb - kb * sk[:, None])
 
     r64 = rows.to(tl.int64)
     m_rk = m_r[:, None] & m_k[None, :]

@@ -113,3 +113,19 @@ def _l2norm_rows(x, NORM: tl.constexpr):
     else:
         r = tl.sum(x * 0.0, 1) + 1.0
     return x, r
+
+
+@triton.jit
+def _l2norm_rows_pair(a, b, NORM: tl.constexpr):
+    """_l2norm_rows of two same-shape tiles (a sub-chunk's k and q), their row sums in one
+    reduction."""
+    if NORM:
+        sa, sb = tl.split(tl.sum(tl.join(a * a, b * b), 1))
+        ra = 1.0 / tl.sqrt(sa + 1e-6)
+        rb = 1.0 / tl.sqrt(sb + 1e-6)
+        a = a * ra[:, None]
+        b = b * rb[:, None]
+    else:
+        ra = tl.sum(a * 0.0, 1) + 1.0
+        rb = ra
+    return a, b, ra, rb
