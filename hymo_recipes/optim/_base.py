@@ -21,10 +21,13 @@ class GroupStepOptimizer(Optimizer):
     decides the step (a skipped step leaves them as they were); ``commit_graph_step`` advances
     them once the step has run. A step run inside ``graph_mode()`` (the capture) neither
     advances host counters nor bakes per-step host values into the graph (what is fixed for a
-    run, betas, eps and weight decay, is)."""
+    run, betas, eps and weight decay, is). ``graph_mode(go)`` also hands the step a 0-d device
+    bool: every write to a parameter or an optimizer state then keeps the old value where ``go``
+    holds False (``write_if``), so that the NaN guard can skip a replayed step on the device."""
 
     _graph_scalars: dict | None = None  # the device scalars prepare_graph_step writes
     _in_graph = False  # inside graph_mode(): the step reads them
+    _go: torch.Tensor | None = None  # inside graph_mode(go): the state writes follow it
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -84,23 +87,41 @@ class GroupStepOptimizer(Optimizer):
         self._graph_scalars = None
 
     @contextlib.contextmanager
-    def graph_mode(self):
+    def graph_mode(self, go: torch.Tensor | None = None):
         """Steps inside read the scalars of the last ``prepare_graph_step`` and advance no host
-        counter: what a CUDA graph captures (a step outside is the ordinary eager step)."""
+        counter: what a CUDA graph captures (a step outside is the ordinary eager step). ``go``:
+        a 0-d bool on the parameters' device; where it holds False when the step's kernels run,
+        they change no parameter and no state."""
         if self._graph_scalars is None:
             raise RuntimeError("graph_mode() needs a prepare_graph_step() first")
-        self._in_graph = True
+        if go is not None and (go.dtype != torch.bool or go.numel() != 1):
+            raise TypeError(f"graph_mode(go): a 0-d bool tensor, got {tuple(go.shape)} {go.dtype}")
+        self._in_graph, self._go = True, go
         try:
             yield
         finally:
-            self._in_graph = False
+            self._in_graph, self._go = False, None
 
     @property
     def in_graph(self) -> bool:
         return self._in_graph
+
+    @property
+    def go(self) -> torch.Tensor | None:
+        """The flag of ``graph_mode(go)`` that the step's state writes follow; None: they update."""
+        return self._go
 
     def _graph_scalar(self, key: tuple) -> torch.Tensor:
         return self._graph_scalars[key]
 
     def _group_index(self, group: dict[str, Any]) -> int:
         return next(i for i, g in enumerate(self.param_groups) if g is group)
+
+
+def write_if(go: torch.Tensor | None, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i] ← src[i]`` in one multi-tensor copy; with ``go`` (a 0-d device bool) each ``dst``
+    keeps its value where ``go`` holds False (a select, not a blend: NaN in ``src`` stays out)."""
+    if go is not None:
+        src = [torch.where(go, s, d) for s, d in zip(src, dst)]
+    if dst:
+        torch._foreach_copy_(dst, src)

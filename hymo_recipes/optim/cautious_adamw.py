@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hymo_recipes.optim._base import GroupStepOptimizer
+from hymo_recipes.optim._base import GroupStepOptimizer, write_if
 from hymo_recipes.optim._dist import all_reduce_sum, local, shard_spec
 
 __all__ = ["CautiousAdamW"]
@@ -145,12 +145,22 @@ def _update(
 def _fused_step(
     params, grads, exp_avgs, exp_avg_sqs, numels, lr, weight_decay, step_scale, eps_scaled,
     beta1: float, beta2: float, cautious_update: bool, cautious_wd: bool, apply_wd: bool,
+    go: Tensor | None = None,
 ) -> None:
-    """The whole step for unsharded tensors: one torch.compile graph when compiled."""
+    """The whole step for unsharded tensors: one torch.compile graph when compiled. ``go``: a
+    0-d bool (a CUDA graph's skip flag); the step then runs on copies of the parameters and
+    states, which replace them only where it holds True (compiled, the copies and the select
+    fuse into the step's kernels)."""
+    if go is not None:
+        targets = (params, exp_avgs, exp_avg_sqs)
+        params, exp_avgs, exp_avg_sqs = ([t.clone() for t in ts] for ts in targets)
     agree, counts = _moments(grads, exp_avgs, exp_avg_sqs, beta1, beta2, cautious_update)
     scales = _mask_scales(counts, numels, step_scale) if cautious_update else None
     _update(params, exp_avgs, exp_avg_sqs, agree, scales, lr, weight_decay, step_scale,
             eps_scaled, cautious_wd, apply_wd)
+    if go is not None:
+        for dst, src in zip(targets, (params, exp_avgs, exp_avg_sqs)):
+            write_if(go, dst, src)
 
 
 class CautiousAdamW(GroupStepOptimizer):
@@ -324,8 +334,10 @@ class CautiousAdamW(GroupStepOptimizer):
 
         if not (group["cautious_update"] and any(shard_spec(p).sharded for p in params)):
             self._fused_fn(ps, gs, ms, vs, numels, lr, wd, step_scale, eps_scaled, beta1, beta2,
-                           *flags)
+                           *flags, self.go)
             return
+        if self.go is not None:  # GraphedStep refuses sharded parameters before this
+            raise RuntimeError("CautiousAdamW: a step skipped on the device takes unsharded parameters")
         # Sharded: the mask normaliser needs global counts, summed between the two halves.
         agree, counts = self._moments_fn(gs, ms, vs, beta1, beta2, True)
         counts = self._global_counts(params, counts)

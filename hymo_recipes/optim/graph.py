@@ -22,6 +22,14 @@ step counts). Parameters and optimizer states are updated in place, so their add
 graph's; the scalars are the eager step's values, so the updates are the eager step's (a CPU
 test checks the host half, a GPU test the graph).
 
+The skip decided on the device: after the warm-up, the optimizers' container launches the
+replay right behind the NaN guard's device-side verdict (``launch(go)``) and reads the verdict
+on the host only afterwards, so the GPU goes from the backward to the update without waiting for
+the host's read and the graph's launch. Every state write of the captured step (parameters,
+momenta, second moments) then keeps the old value where the flag ``go`` says the step is skipped
+(``GroupStepOptimizer.graph_mode(go)``): a skipped replay runs and changes nothing; ``commit``
+advances the host counters only for a step the host found good.
+
 Limits, refused up front (hymo_recipes/titan/preflight.py): one CUDA device and one rank (the
 optimizers' collectives are not captured) and HyMo's own optimizers (torch's AdamW has no host
 half here); ``GraphedStep`` refuses them too. The static gradient buffers are a second copy of
@@ -79,6 +87,7 @@ class GraphedStep:
         the next ``warmup_steps`` steps run eagerly, then the step is captured anew."""
         self._graph = None
         self._static = None
+        self._go = None  # the device flag the step's state writes follow (launch)
         self._eager_left = self.warmup_steps
         for o in self.optimizers:
             o.end_graph()
@@ -115,18 +124,42 @@ class GraphedStep:
             self._eager_left -= 1
             self._on_side_stream(self._step_in_graph_mode)
         else:
-            if self._graph is None:
-                self._capture([p.grad for p in self.params])
-            self._graph.replay()
-        # the host counters (CautiousAdamW's step counts) advance once the step has run; here,
-        # after the launch, this host work overlaps the replay
+            self.launch(None)
+        self.commit()
+
+    def decides_on_device(self) -> bool:
+        """Whether the next step replays the graph, whose state writes a device flag can keep
+        unchanged (``launch``): after the warm-up steps."""
+        return self._eager_left == 0
+
+    def launch(self, go: torch.Tensor | None) -> None:
+        """Replays the captured step (capturing it the first time). ``go``: a 0-d device bool,
+        False to keep every parameter and optimizer state as it was (the NaN guard's verdict, read
+        on the host after this launch, so that the GPU runs the replay without waiting for the
+        host); None updates. Advances no host counter: ``commit`` does, once the host knows the
+        step updated."""
+        if self._eager_left > 0:
+            raise RuntimeError("GraphedStep.launch before the warm-up steps ran (use step)")
+        if self._graph is None:
+            self._capture([p.grad for p in self.params])
+        if go is None:
+            self._go.fill_(True)
+        else:
+            self._go.copy_(go)
+        self._graph.replay()
+
+    def commit(self) -> None:
+        """The host counters (CautiousAdamW's step counts) advanced by the step that ran; after
+        the launch, so this host work overlaps the replay."""
         for o in self.optimizers:
             o.commit_graph_step()
 
     def _step_in_graph_mode(self) -> None:
+        if self._go is None:
+            self._go = torch.ones((), dtype=torch.bool, device=self.device)
         with contextlib.ExitStack() as modes:
             for o in self.optimizers:
-                modes.enter_context(o.graph_mode())
+                modes.enter_context(o.graph_mode(self._go))
             for o in self.optimizers:
                 o.step()
 

@@ -6,19 +6,23 @@ container, not through the Trainer):
 - The loss function passes every training microbatch's loss through ``on_loss``: it remembers,
   on the device and without a host sync, whether the loss was NaN/Inf, and (test hook) turns the
   loss of the steps listed in ``inject_nan_steps`` into NaN.
-- ``HymoOptimizersContainer.step`` calls ``check_step(grads)`` before any optimizer runs. It
-  folds that flag together with the gradients' finiteness, max-reduces it over all ranks (every
-  rank must take the same decision, or FSDP's next collectives hang) and reads it on the host:
-  one sync per step. On a skip no optimizer runs, so no parameter or optimizer state changes;
-  the container sets ``last_step_skipped``, the scheduler container then does not advance and
-  the MoE step hook discards the step's routing counts without touching the balancing bias.
-- After ``consecutive_limit`` skips in a row ``check_step`` raises NonFiniteTrainingError from
+- ``HymoOptimizersContainer.step`` asks it before any optimizer runs: ``flag(grads)`` folds the
+  loss flag together with the gradients' finiteness and max-reduces it over all ranks (every
+  rank must take the same decision, or FSDP's next collectives hang), on the device; ``decide``
+  reads it on the host: one sync per step (``check_step`` is the two in one). On a skip no
+  optimizer runs, so no parameter or optimizer state changes; the container sets
+  ``last_step_skipped``, the scheduler container then does not advance and the MoE step hook
+  discards the step's routing counts without touching the balancing bias. A CUDA-graphed
+  optimizer step launches its replay between the two halves, its state writes keeping the old
+  values where the flag says so (hymo_recipes/optim/graph.py), so the host's read overlaps the
+  update.
+- After ``consecutive_limit`` skips in a row ``decide`` raises NonFiniteTrainingError from
   inside ``optimizers.step()``, i.e. before TorchTitan's ``checkpointer.save`` of that step, so
   the newest checkpoint on disk is one that was completely written before the bad run began (a
   DCP checkpoint counts only once its ``.metadata`` exists, and DCP writes that file last, via
   a temporary file and a rename).
 
-The guard counts train steps itself (``steps_done``: every ``check_step``, skipped or not, i.e.
+The guard counts train steps itself (``steps_done``: every ``decide``, skipped or not, i.e.
 TorchTitan's ``trainer.step`` after the step) because neither the loss function nor the
 optimizers see the trainer. Its counters travel in the optimizer checkpoint (see
 ``state_dict``), so step numbers, the injected steps and the skip total continue across a resume.
@@ -82,6 +86,13 @@ class NonFiniteGuard:
         """True if this step may update: every rank's losses (seen by ``on_loss``) and local
         gradient shards are finite. Counts the step; raises NonFiniteTrainingError at the limit.
         Every rank must call it (it all-reduces on the default group)."""
+        return self.decide(self.flag(grads))
+
+    def flag(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The step's verdict on the device, without a host sync: a 0-d float tensor, 1 where
+        any rank's loss or local gradient shard is non-finite, else 0 (max-reduced over the
+        default group). Hand it to ``decide``; a CUDA-graphed optimizer step reads it on the
+        device first (hymo_recipes/optim/graph.py)."""
         loss_bad, self._loss_bad = self._loss_bad, None
         if grads:
             # A NaN/Inf entry makes its tensor's norm non-finite: one multi-tensor pass.
@@ -92,15 +103,18 @@ class NonFiniteGuard:
             bad = torch.zeros((), dtype=torch.bool, device=device)
         if loss_bad is not None:
             bad = bad | loss_bad.to(bad.device)
-        return self._decide(bad.float())
-
-    def _decide(self, bad: torch.Tensor) -> bool:
-        step = self.current_step
-        self.steps_done += 1
+        bad = bad.float()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # On the gradients' device: NCCL needs CUDA tensors, gloo takes CPU ones.
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        # The one host sync per step: skipping is a host-side decision.
+        return bad
+
+    def decide(self, bad: torch.Tensor) -> bool:
+        """Reads ``flag``'s verdict on the host (the one host sync per step: skipping is a
+        host-side decision for everything but a CUDA-graphed optimizer step), counts the step
+        and returns whether it may update; raises NonFiniteTrainingError at the limit."""
+        step = self.current_step
+        self.steps_done += 1
         if not bool(bad.item()):
             self.consecutive = 0
             return True

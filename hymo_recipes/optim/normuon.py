@@ -47,7 +47,7 @@ from torch import Tensor
 
 import hymo_kernels.normuon.fused as normuon_kernels
 import hymo_kernels.normuon.ns as ns_kernels
-from hymo_recipes.optim._base import GroupStepOptimizer
+from hymo_recipes.optim._base import GroupStepOptimizer, write_if
 from hymo_recipes.optim._dist import (
     all_reduce_sum,
     local,
@@ -415,7 +415,10 @@ class NorMuon(GroupStepOptimizer):
 
         # 1. Momentum and Nesterov input (fp32). Out of place for Nesterov: never write into
         # p.grad (it may alias a reduce-scatter buffer).
-        torch._foreach_lerp_(ms_t, gs_t, 1.0 - beta1)
+        if self.go is None:
+            torch._foreach_lerp_(ms_t, gs_t, 1.0 - beta1)
+        else:  # a CUDA graph's step that its flag may skip: the new momenta written through it
+            write_if(self.go, ms_t, torch._foreach_lerp(ms_t, gs_t, 1.0 - beta1))
         us_t = torch._foreach_lerp(gs_t, ms_t, beta1) if group["nesterov"] else ms_t
         us: list[Tensor | None] = [None] * len(params)
         for i, u in zip(sub, us_t):
@@ -437,7 +440,7 @@ class NorMuon(GroupStepOptimizer):
                 stats[n] = (d, sq)
                 v_dst += [vs[i] for i in b.idxs]
                 v_src += b.unstack(V)
-            torch._foreach_copy_(v_dst, v_src)
+            write_if(self.go, v_dst, v_src)
             _all_reduce_row_sums([b for _, b in batches], stats)
 
         # 4. Rescale, cautious decoupled weight decay and the scaled update on a stacked copy
@@ -454,7 +457,7 @@ class NorMuon(GroupStepOptimizer):
                     None if sq is None else sq[:, mat], lr_s, lr_wd, apply_wd,
                     group["cautious_wd"],
                 )
-                torch._foreach_copy_([ws[i] for i in b.idxs[mem]], b.unstack(W, mem))
+                write_if(self.go, [ws[i] for i in b.idxs[mem]], b.unstack(W, mem))
             Os[n] = stats[n] = O = None
 
     def _local_lists(self, params: list[Tensor]) -> tuple[list[Tensor], ...]:
@@ -493,16 +496,17 @@ class NorMuon(GroupStepOptimizer):
         B = sum(b.counts)
         X = torch.empty((B, k, m) if transposed else (B, m, k), dtype=_ORTHO_DTYPES[group["ortho_dtype"]],
                         device=moms[0].device)
+        go = self.go
         sumsq = normuon_kernels.momentum_pack_(grads, moms, X, group["momentum"], group["nesterov"], transposed,
-                                               tables=(g_tab, m_tab))
+                                               tables=(g_tab, m_tab), go=go)
         coeffs, margin, eps = _iteration(group["orthogonalizer"], group["ns_steps"])
         X = ns_kernels.iterate(X, 1.0 / (sumsq.sqrt() * margin + eps), coeffs)
         factor = None
         if group["neuron_norm"]:
             factor = normuon_kernels.neuron_factor_(normuon_kernels.row_sumsq(X, transposed), v_members,
-                                                    group["beta2"], group["eps"], k, v_table=v_tab)
+                                                    group["beta2"], group["eps"], k, v_table=v_tab, go=go)
         normuon_kernels.apply_update_(X, factor, weights, self._lr_s(group, index, j, b, lr), lr_wd, apply_wd,
-                                      group["cautious_wd"], transposed, w_table=w_tab)
+                                      group["cautious_wd"], transposed, w_table=w_tab, go=go)
 
     def _batch_tables(self, group: dict[str, Any], j: int, b: _Batch, grads, moms, weights, vs) -> list[Tensor]:
         """The address tables of batch j's gradients, momentum buffers, weights and neuron second

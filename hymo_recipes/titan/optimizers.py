@@ -74,7 +74,9 @@ class HymoOptimizersContainer(OptimizersContainer):
         cuda_graph (bool):
             Replay every optimizer's step as one CUDA graph after a warm-up step
             (hymo_recipes/optim/graph.py; ``[optimizer] cuda_graph``): the same updates without
-            the GPU waiting for the host's launches. Default: ``False``.
+            the GPU waiting for the host's launches nor, after the warm-up, for the NaN guard's
+            host read (the replay is launched right behind the guard's device-side verdict,
+            which its state writes follow). Default: ``False``.
 
     ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
     say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
@@ -124,14 +126,19 @@ class HymoOptimizersContainer(OptimizersContainer):
             if self.nan_guard is not None:
                 grads = [_local(p.grad) for o in self.optimizers for g in o.param_groups
                          for p in g["params"] if p.grad is not None]
-                if not self.nan_guard.check_step(grads):
-                    self.last_step_skipped = True
-                    guard = self.nan_guard
-                    logger.warning(
-                        f"step {guard.last_skipped_step}: non-finite loss or gradient; optimizer "
-                        f"step skipped, nothing updated ({guard.consecutive} in a row, "
-                        f"{guard.skipped_total} so far); {self.describe_nonfinite()}"
-                    )
+                bad = self.nan_guard.flag(grads)
+                if self.graphed is not None and self.graphed.decides_on_device():
+                    # the replay queued right behind the device verdict, which its state writes
+                    # follow (a bad step changes nothing); the host reads the verdict, copied out
+                    # ahead of the replay, while the GPU runs the update
+                    verdict = _read_ahead(bad)
+                    self.step_timer.lap("nan_check")
+                    self.graphed.launch(bad == 0)
+                    self.step_timer.lap("graph")
+                    if self._decide(verdict()):
+                        self.graphed.commit()
+                    return
+                if not self._decide(bad):
                     return
                 self.step_timer.lap("nan_check")
             if self.graphed is not None:
@@ -143,6 +150,20 @@ class HymoOptimizersContainer(OptimizersContainer):
                 self.step_timer.lap(name)
         finally:
             self.step_timer.stop()
+
+    def _decide(self, bad: torch.Tensor) -> bool:
+        """The NaN guard's host read of its verdict ``bad``; on a skip, sets
+        ``last_step_skipped`` and logs what was non-finite. True if the step updates."""
+        if self.nan_guard.decide(bad):
+            return True
+        self.last_step_skipped = True
+        guard = self.nan_guard
+        logger.warning(
+            f"step {guard.last_skipped_step}: non-finite loss or gradient; optimizer "
+            f"step skipped, nothing updated ({guard.consecutive} in a row, "
+            f"{guard.skipped_total} so far); {self.describe_nonfinite()}"
+        )
+        return False
 
     def describe_nonfinite(self, limit: int = 5) -> str:
         """Names this rank's parameters whose gradient or value is non-finite.
@@ -197,6 +218,23 @@ class HymoOptimizersContainer(OptimizersContainer):
 
 
 _GUARD = "nan_guard"
+
+
+def _read_ahead(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Starts a host copy of the small tensor ``t`` now, ahead of the work queued after it on the
+    stream; the returned function waits for that copy alone and returns it."""
+    if t.device.type != "cuda":
+        return lambda: t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> torch.Tensor:
+        copied.synchronize()
+        return host
+
+    return wait
 
 
 class StepTimer:

@@ -52,9 +52,16 @@ if _TRITON_ERROR is None:
         return base + rows[:, None].to(tl.int64) * k + cols[None, :]
 
     @triton.jit
-    def _momentum_pack_kernel(g_tab, m_tab, X, partial, m, k, n_rb, beta1, one_minus_beta1,
+    def _if_go(mask, go, HAS_GO: tl.constexpr):
+        # a store's mask for a parameter or state: empty where the skip flag holds False
+        if HAS_GO:
+            mask = tl.where(tl.load(go) != 0, mask, False)
+        return mask
+
+    @triton.jit
+    def _momentum_pack_kernel(g_tab, m_tab, X, partial, go, m, k, n_rb, beta1, one_minus_beta1,
                               NESTEROV: tl.constexpr, TRANS: tl.constexpr, G_DTYPE: tl.constexpr,
-                              BR: tl.constexpr, BK: tl.constexpr):
+                              HAS_GO: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         rb = tl.program_id(1)
         g = tl.load(g_tab + i).to(tl.pointer_type(G_DTYPE))
@@ -67,7 +74,7 @@ if _TRITON_ERROR is None:
             offs = rows[:, None].to(tl.int64) * k + cols[None, :]
             gv = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
             mv = _lerp(tl.load(mo + offs, mask=mask, other=0.0), gv, one_minus_beta1)
-            tl.store(mo + offs, mv, mask=mask)
+            tl.store(mo + offs, mv, mask=_if_go(mask, go, HAS_GO))
             u = _lerp(gv, mv, beta1) if NESTEROV else mv
             acc += u * u
             tl.store(X + _x_offsets(i, rows, cols, m, k, TRANS), u.to(X.dtype.element_ty), mask=mask)
@@ -86,22 +93,23 @@ if _TRITON_ERROR is None:
         tl.store(out + i * m + rows, tl.sum(acc, 1), mask=rows < m)
 
     @triton.jit
-    def _neuron_factor_kernel(rowsq, v_tab, factor, m, inv_cols, one_minus_beta2, eps, BM: tl.constexpr):
+    def _neuron_factor_kernel(rowsq, v_tab, factor, go, m, inv_cols, one_minus_beta2, eps, HAS_GO: tl.constexpr,
+                              BM: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         rows = tl.arange(0, BM)
         mask = rows < m
         v_ptr = tl.load(v_tab + i).to(tl.pointer_type(tl.float32))
         r = tl.load(rowsq + i * m + rows, mask=mask, other=0.0)
         v = _lerp(tl.load(v_ptr + rows, mask=mask, other=0.0), r * inv_cols, one_minus_beta2)
-        tl.store(v_ptr + rows, v, mask=mask)
+        tl.store(v_ptr + rows, v, mask=_if_go(mask, go, HAS_GO))
         d = tl.sqrt(v) + eps
         ratio = tl.sqrt(tl.sum(r, 0) / tl.maximum(tl.sum(tl.where(mask, r / (d * d), 0.0), 0), 1e-30))
         tl.store(factor + i * m + rows, ratio / d, mask=mask)
 
     @triton.jit
-    def _apply_kernel(X, factor, w_tab, lr_s, lr_wd, m, k, HAS_FACTOR: tl.constexpr, APPLY_WD: tl.constexpr,
-                      CAUTIOUS: tl.constexpr, TRANS: tl.constexpr, W_DTYPE: tl.constexpr, BR: tl.constexpr,
-                      BK: tl.constexpr):
+    def _apply_kernel(X, factor, w_tab, lr_s, lr_wd, go, m, k, HAS_FACTOR: tl.constexpr, APPLY_WD: tl.constexpr,
+                      CAUTIOUS: tl.constexpr, TRANS: tl.constexpr, W_DTYPE: tl.constexpr, HAS_GO: tl.constexpr,
+                      BR: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BR + tl.arange(0, BR)
         w = tl.load(w_tab + i).to(tl.pointer_type(W_DTYPE))
@@ -125,7 +133,7 @@ if _TRITON_ERROR is None:
                     decay = tl.where(u * wv >= 0, decay, 0.0)
                 delta += decay
             # W − delta with delta rounded to W's dtype first, as W.sub_(delta.to(W.dtype))
-            tl.store(w + offs, (wv - delta.to(W_DTYPE).to(tl.float32)).to(W_DTYPE), mask=mask)
+            tl.store(w + offs, (wv - delta.to(W_DTYPE).to(tl.float32)).to(W_DTYPE), mask=_if_go(mask, go, HAS_GO))
 
 
 def _check(name: str, device: torch.device) -> None:
@@ -158,6 +166,17 @@ def _reached(tensors):
     return contextlib.nullcontext()
 
 
+def _flag(go: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """The skip flag the kernels load: a 0-d bool on ``other``'s device (``other`` stands in for
+    the unused pointer when there is none)."""
+    if go is None:
+        return other
+    if go.numel() != 1 or go.dtype != torch.bool or go.device != other.device:
+        raise TypeError(f"hymo_kernels.normuon: go must be a 0-d bool tensor on {other.device}, got "
+                        f"{tuple(go.shape)} {go.dtype} on {go.device}")
+    return go
+
+
 def _shape(X: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     if X.ndim != 3 or not X.is_contiguous() or X.dtype not in _TL_DTYPES:
         raise ValueError(f"hymo_kernels.normuon: X must be a contiguous [B, rows, cols] tensor in fp32, bf16 or fp16, "
@@ -167,10 +186,10 @@ def _shape(X: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
 
 
 def momentum_pack_(grads: list[torch.Tensor], moms: list[torch.Tensor], X: torch.Tensor, beta1: float,
-                   nesterov: bool, transposed: bool, tables: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+                   nesterov: bool, transposed: bool, tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   go: torch.Tensor | None = None) -> torch.Tensor:
     """As fused_torch.momentum_pack_, in one launch. ``tables``: the gradients' and momentum
-    buffers' address tables when the caller keeps them (else built here)."""
+    buffers' address tables when the caller keeps them (else built here); ``go``: as there."""
     _check("momentum_pack_", X.device)
     B, m, k = _shape(X, transposed)
     gdt = grads[0].dtype
@@ -182,10 +201,9 @@ def momentum_pack_(grads: list[torch.Tensor], moms: list[torch.Tensor], X: torch
     n_rb = triton.cdiv(m, BLOCK_ROWS)
     partial = torch.empty(B, n_rb, dtype=torch.float32, device=X.device)
     with _reached(list(grads) + list(moms)):
-        _momentum_pack_kernel[(B, n_rb)](g_tab, m_tab, X, partial, m, k, n_rb, float(beta1), 1.0 - beta1,
-                                         NESTEROV=nesterov,
-                                         TRANS=transposed, G_DTYPE=_TL_DTYPES[gdt], BR=BLOCK_ROWS, BK=BLOCK_COLS,
-                                         num_warps=4)
+        _momentum_pack_kernel[(B, n_rb)](g_tab, m_tab, X, partial, _flag(go, X), m, k, n_rb, float(beta1),
+                                         1.0 - beta1, NESTEROV=nesterov, TRANS=transposed, G_DTYPE=_TL_DTYPES[gdt],
+                                         HAS_GO=go is not None, BR=BLOCK_ROWS, BK=BLOCK_COLS, num_warps=4)
     return partial.sum(dim=1)
 
 
@@ -200,9 +218,9 @@ def row_sumsq(X: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 def neuron_factor_(rowsq: torch.Tensor, vs: list[torch.Tensor], beta2: float, eps: float, cols: int,
-                   v_table: torch.Tensor | None = None) -> torch.Tensor:
+                   v_table: torch.Tensor | None = None, go: torch.Tensor | None = None) -> torch.Tensor:
     """As fused_torch.neuron_factor_, in one launch (one program per matrix). ``v_table``: the
-    second moments' address table when the caller keeps it."""
+    second moments' address table when the caller keeps it; ``go``: as there."""
     _check("neuron_factor_", rowsq.device)
     if rowsq.ndim != 2 or not rowsq.is_contiguous() or rowsq.dtype != torch.float32:
         raise ValueError(f"hymo_kernels.normuon.neuron_factor_: rowsq must be contiguous fp32 [B, m], got "
@@ -213,17 +231,18 @@ def neuron_factor_(rowsq: torch.Tensor, vs: list[torch.Tensor], beta2: float, ep
     v_tab = v_table if v_table is not None else address_table(vs, 1, m, rowsq.device)
     factor = torch.empty(B, m, dtype=torch.float32, device=rowsq.device)
     with _reached(vs):
-        _neuron_factor_kernel[(B,)](rowsq, v_tab, factor, m, 1.0 / cols, 1.0 - beta2, float(eps),
-                                    BM=triton.next_power_of_2(m), num_warps=4)
+        _neuron_factor_kernel[(B,)](rowsq, v_tab, factor, _flag(go, rowsq), m, 1.0 / cols, 1.0 - beta2, float(eps),
+                                    HAS_GO=go is not None, BM=triton.next_power_of_2(m), num_warps=4)
     return factor
 
 
 def apply_update_(X: torch.Tensor, factor: torch.Tensor | None, params: list[torch.Tensor], lr_s: torch.Tensor,
                   lr_wd: torch.Tensor, apply_wd: bool, cautious_wd: bool, transposed: bool,
-                  w_table: torch.Tensor | None = None) -> None:
+                  w_table: torch.Tensor | None = None, go: torch.Tensor | None = None) -> None:
     """As fused_torch.apply_update_, in one launch. ``lr_s``, ``lr_wd``: 0-d fp32 tensors on X's
     device (read by the kernel, so a CUDA graph replays whatever they hold); ``factor``: [B, m]
-    fp32 or None. ``w_table``: the weights' address table when the caller keeps it."""
+    fp32 or None. ``w_table``: the weights' address table when the caller keeps it; ``go``: as
+    there."""
     _check("apply_update_", X.device)
     B, m, k = _shape(X, transposed)
     wdt = params[0].dtype
@@ -237,6 +256,6 @@ def apply_update_(X: torch.Tensor, factor: torch.Tensor | None, params: list[tor
     w_tab = w_table if w_table is not None else address_table(params, m, k, X.device)
     with _reached(params):
         _apply_kernel[(B, triton.cdiv(m, BLOCK_ROWS))](
-            X, factor if factor is not None else X, w_tab, lr_s, lr_wd, m, k, HAS_FACTOR=factor is not None,
-            APPLY_WD=apply_wd, CAUTIOUS=cautious_wd, TRANS=transposed, W_DTYPE=_TL_DTYPES[wdt], BR=BLOCK_ROWS,
-            BK=BLOCK_COLS, num_warps=4)
+            X, factor if factor is not None else X, w_tab, lr_s, lr_wd, _flag(go, X), m, k,
+            HAS_FACTOR=factor is not None, APPLY_WD=apply_wd, CAUTIOUS=cautious_wd, TRANS=transposed,
+            W_DTYPE=_TL_DTYPES[wdt], HAS_GO=go is not None, BR=BLOCK_ROWS, BK=BLOCK_COLS, num_warps=4)

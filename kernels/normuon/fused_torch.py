@@ -26,15 +26,22 @@ def _matrices(members: list[Tensor], m: int, k: int) -> list[Tensor]:
     return [x.reshape(-1, m, k) for x in members]
 
 
+def _write(dst: Tensor, src: Tensor, go: Tensor | None) -> None:
+    dst.copy_(src if go is None else torch.where(go, src, dst))
+
+
 def momentum_pack_(grads: list[Tensor], moms: list[Tensor], X: Tensor, beta1: float, nesterov: bool,
-                   transposed: bool) -> Tensor:
-    """Updates the momentum buffers in place, writes U into X; returns ‖U‖_F² per matrix [B] fp32."""
+                   transposed: bool, go: Tensor | None = None) -> Tensor:
+    """Updates the momentum buffers in place, writes U into X; returns ‖U‖_F² per matrix [B] fp32.
+    ``go`` (each pass): a 0-d bool; where it holds False, no parameter or state is written (X and
+    the returned values are computed all the same)."""
     m, k = (X.shape[-1], X.shape[-2]) if transposed else X.shape[-2:]
     us = []
     for g, mo in zip(_matrices(grads, m, k), _matrices(moms, m, k)):
         g = g.to(mo.dtype)
-        mo.lerp_(g, 1.0 - beta1)
-        us.append(g.lerp(mo, beta1) if nesterov else mo.clone())
+        new = mo.lerp(g, 1.0 - beta1)
+        _write(mo, new, go)
+        us.append(g.lerp(new, beta1) if nesterov else new)
     U = torch.cat(us)
     X.copy_(U.mT if transposed else U)
     return U.float().square().sum(dim=(-2, -1))
@@ -45,7 +52,8 @@ def row_sumsq(X: Tensor, transposed: bool) -> Tensor:
     return X.float().square().sum(dim=-2 if transposed else -1)
 
 
-def neuron_factor_(rowsq: Tensor, vs: list[Tensor], beta2: float, eps: float, cols: int) -> Tensor:
+def neuron_factor_(rowsq: Tensor, vs: list[Tensor], beta2: float, eps: float, cols: int,
+                   go: Tensor | None = None) -> Tensor:
     """Updates the members' neuron second moments ([m] or [c, m], fp32) in place; returns the
     per-row factors [B, m] fp32."""
     m = rowsq.shape[-1]
@@ -54,7 +62,7 @@ def neuron_factor_(rowsq: Tensor, vs: list[Tensor], beta2: float, eps: float, co
     start = 0
     for v in vs:
         n = v.numel() // m
-        v.copy_(V[start:start + n].view_as(v))
+        _write(v, V[start:start + n].view_as(v), go)
         start += n
     d = V.sqrt() + eps
     ratio = (rowsq.sum(dim=-1) / (rowsq / d.square()).sum(dim=-1).clamp_min(1e-30)).sqrt()
@@ -62,7 +70,7 @@ def neuron_factor_(rowsq: Tensor, vs: list[Tensor], beta2: float, eps: float, co
 
 
 def apply_update_(X: Tensor, factor: Tensor | None, params: list[Tensor], lr_s: Tensor, lr_wd: Tensor,
-                  apply_wd: bool, cautious_wd: bool, transposed: bool) -> None:
+                  apply_wd: bool, cautious_wd: bool, transposed: bool, go: Tensor | None = None) -> None:
     """W of every member updated in place from O (fp32 maths, one rounding to W's dtype)."""
     O = X.float().mT if transposed else X.float()
     m, k = O.shape[-2:]
@@ -80,4 +88,4 @@ def apply_update_(X: Tensor, factor: Tensor | None, params: list[Tensor], lr_s: 
             if cautious_wd:
                 decay = decay * (Ub * Wf >= 0)
             delta = delta + decay
-        W.sub_(delta.to(W.dtype))
+        _write(W, W - delta.to(W.dtype), go)

@@ -103,6 +103,64 @@ def test_apply_update_matches_the_reference(layout, with_factor, wd, small_block
         assert not torch.equal(p.reshape(-1, m, k)[-1], b.reshape(-1, m, k)[-1])
 
 
+def _same(a, b):
+    """Bit for bit, NaN where the other has NaN."""
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+def test_a_false_skip_flag_writes_no_parameter_or_state(impl, small_blocks):
+    """The three passes that write members (momenta, second moments, weights) with ``go``, the
+    flag a CUDA-graphed step skips by: True gives the unflagged call's members; False leaves them
+    bit for bit, NaN gradients included, while X, the sums and the factors are computed as
+    without the flag (the orthogonalisation between the passes runs all the same)."""
+    shapes, m, k, transposed, B = _layout("tall")
+    go = {v: torch.tensor(v, device=DEV) for v in (True, False)}
+    X_shape = (B, k, m)
+
+    grads = _members(shapes, seed=1)
+    grads[1][2, 3, 1] = float("nan")
+    outs = {}
+    for flag in (None, True, False):
+        moms, X = _members(shapes, seed=2, scale=0.1), torch.empty(X_shape, device=DEV)
+        sq = impl.momentum_pack_(grads, moms, X, 0.9, True, transposed, go=go.get(flag))
+        outs[flag] = (moms, X, sq)
+    for a, b in zip(outs[True][0], outs[None][0]):
+        _same(a, b)
+    assert torch.isnan(outs[None][0][1]).any()
+    for a, b in zip(outs[False][0], _members(shapes, seed=2, scale=0.1)):
+        _same(a, b)
+    for i in (1, 2):
+        _same(outs[False][i], outs[None][i])
+
+    rowsq = _members([(B, m)], seed=7)[0].abs()
+    outs = {}
+    for flag in (None, True, False):
+        vs = [v.abs() for v in _members([s[:-1] for s in shapes], seed=6)]
+        outs[flag] = (vs, impl.neuron_factor_(rowsq, vs, 0.95, 1e-8, k, go=go.get(flag)))
+    for a, b, c in zip(outs[True][0], outs[None][0], (v.abs() for v in _members([s[:-1] for s in shapes], seed=6))):
+        _same(a, b)
+        assert not torch.equal(a, c)
+    for a, c in zip(outs[False][0], (v.abs() for v in _members([s[:-1] for s in shapes], seed=6))):
+        _same(a, c)
+    _same(outs[False][1], outs[None][1])
+
+    X = _members([X_shape], seed=5)[0]
+    X[0, 0, 0] = float("nan")
+    lr_s, lr_wd = torch.tensor(0.03, device=DEV), torch.tensor(0.2, device=DEV)
+    outs = {}
+    for flag in (None, True, False):
+        params = _members(shapes, seed=4)
+        impl.apply_update_(X, None, params, lr_s, lr_wd, True, True, transposed, go=go.get(flag))
+        outs[flag] = params
+    for a, b, c in zip(outs[True], outs[None], _members(shapes, seed=4)):
+        _same(a, b)
+        assert not torch.equal(a, c)
+    assert torch.isnan(outs[None][0]).any()
+    for a, c in zip(outs[False], _members(shapes, seed=4)):
+        _same(a, c)
+
+
 def test_the_cautious_mask_keeps_decay_only_where_the_update_agrees_with_the_weight(small_blocks):
     # O = +1 everywhere; W = +1 on the first row, -1 on the second: decay only on the first row
     X = torch.ones(1, 2, 3, device=DEV)
@@ -123,6 +181,9 @@ def test_bad_inputs_are_refused_in_one_line():
     with pytest.raises(TypeError, match="0-d fp32"):
         fused.apply_update_(X, None, [torch.zeros(4, 6, device=DEV)] * 2, torch.tensor(1.0, dtype=torch.float64),
                             torch.tensor(0.0), False, False, False)
+    with pytest.raises(TypeError, match="go must be a 0-d bool tensor"):
+        fused.apply_update_(X, None, [torch.zeros(4, 6, device=DEV)] * 2, torch.tensor(1.0, device=DEV),
+                            torch.tensor(0.0, device=DEV), False, False, False, go=torch.tensor(1.0, device=DEV))
 
 
 @pytest.mark.gpu

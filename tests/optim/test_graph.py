@@ -42,8 +42,10 @@ def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
     corrections into device scalars), the step in graph mode (which reads them and advances
     nothing), then commit_graph_step (the host counters). It must give the eager step's parameters
     and state at every step of a schedule whose lr changes each step: a stale scalar or a counter
-    advanced twice shows. At step 3 a prepare comes first alone, as for a step the NaN guard
-    skips after its host half ran: it must change nothing."""
+    advanced twice shows. The graph-mode steps run with a true skip flag (``go``), as a replay
+    does. At step 3 a skipped step comes first: its host half and its kernels with gradients
+    that hold NaN and a false flag, as the NaN guard skips a replay on the device. It must
+    change nothing, bit for bit, parameters and states alike."""
     kw = (dict(normuon_fused=True) if compiled == "fused"
           else dict(adamw_compiled=bool(compiled), normuon_compiled=compiled == "both"))
     eager, graphed = make_model(), make_model()
@@ -56,15 +58,15 @@ def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
         for o in opts_e.optimizers:
             o.step()
         for o in opts_g.optimizers:
-            if step == 3:
-                o.prepare_graph_step()  # a skipped step's host half
-            o.prepare_graph_step()
             o.prepare_capture()  # the fused kernels' address tables, as before a capture
-            assert not o.in_graph
-            with o.graph_mode():
-                assert o.in_graph
+            if step == 3:
+                skipped_step_changes_nothing(graphed, o)
+            o.prepare_graph_step()
+            assert not o.in_graph and o.go is None
+            with o.graph_mode(torch.tensor(True)):
+                assert o.in_graph and bool(o.go)
                 o.step()
-            assert not o.in_graph
+            assert not o.in_graph and o.go is None
             o.commit_graph_step()
         scheds_e.step()
         scheds_g.step()
@@ -80,6 +82,41 @@ def test_host_half_then_graph_mode_step_equals_the_eager_step(compiled):
         with pytest.raises(RuntimeError, match="needs a prepare_graph_step"):
             with o.graph_mode():
                 pass
+
+
+def skipped_step_changes_nothing(model, opt):
+    """A step of ``opt`` in graph mode with a false flag and NaN in every other gradient (the
+    real gradients put back afterwards): every parameter and state must keep its bits."""
+    def snapshot():
+        return ([p.detach().clone() for p in model.parameters()],
+                [t.clone() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)])
+
+    before = snapshot()
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    grads = [p.grad.clone() for p in params]
+    for p in params[::2]:
+        p.grad.view(-1)[0] = float("nan")
+    opt.prepare_graph_step()
+    with opt.graph_mode(torch.tensor(False)):
+        opt.step()
+    for g, p in zip(grads, params):
+        p.grad.copy_(g)
+    after = snapshot()
+    assert len(after[1]) >= 2 * len(after[0]) // 3 > 0
+    for kind, xs, ys in (("parameter", before[0], after[0]), ("state", before[1], after[1])):
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            assert torch.equal(x, y), f"{type(opt).__name__}: {kind} {i} changed by a skipped step"
+
+
+def test_graph_mode_refuses_a_flag_that_is_not_one_bool():
+    opts, _ = build(make_model())
+    o = opts.optimizers[0]
+    o.prepare_graph_step()
+    for bad in (torch.tensor(1.0), torch.ones(2, dtype=torch.bool)):
+        with pytest.raises(TypeError, match="a 0-d bool tensor"):
+            with o.graph_mode(bad):
+                pass
+    assert not o.in_graph and o.go is None
 
 
 def test_graph_mode_step_reads_the_prepared_lr():
@@ -112,8 +149,8 @@ def test_graphed_step_refuses_the_cpu_and_other_optimizers():
 class _ReplayedEagerly(GraphedStep):
     """GraphedStep's own step logic on the CPU: the side stream and the graph are stand-ins that
     run the captured code path eagerly (a replay is the step in graph mode with ``.grad`` at the
-    static buffers), so the order of stage, warm-up, capture, replay and a skip is checked
-    without CUDA; the GPU test below runs the real graph."""
+    static buffers and the launch's flag), so the order of stage, warm-up, capture, replay and a
+    skip is checked without CUDA; the GPU test below runs the real graph."""
 
     def _find_device(self):
         self.device = torch.device("cpu")
@@ -145,12 +182,16 @@ def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(s
     """The container's graphed step (stand-ins for the stream and the graph) against the eager
     container, with a NaN gradient that the guard skips at one step: the first warm-up (1), the
     first capture (2), a replay (3), the warm-up after a state load (5) or the capture after it
-    (6). The graph's stage runs before the guard's decision, so a skip must leave nothing
-    behind: the same parameters bit for bit, the same step counts, two captures."""
+    (6). The graph's stage runs before the guard's decision and, after the warm-up, its replay
+    too, whose state writes follow the guard's device flag, so a skip must leave nothing behind:
+    the same parameters bit for bit, the same step counts, two captures."""
     eager, graphed = make_model(), make_model()
     opts_e, scheds_e = build(eager)
     opts_g, scheds_g = build(graphed)
     opts_g.graphed = _ReplayedEagerly(opts_g.optimizers)
+    launches = []
+    launch = opts_g.graphed.launch
+    opts_g.graphed.launch = lambda go: launches.append(go) or launch(go)
     losses = [train_steps(model, opts, scheds, range(1, 5), nan_grad_steps={skip})
               for model, opts, scheds in ((eager, opts_e, scheds_e), (graphed, opts_g, scheds_g))]
     for opts in (opts_e, opts_g):
@@ -164,6 +205,17 @@ def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(s
     counts = [[s["step"].item() for s in o.optimizers[1].state.values()] for o in (opts_e, opts_g)]
     assert counts[0] == counts[1] == [7.0] * len(counts[0])
     assert opts_g.graphed.captures == 2
+    # the steps after each warm-up (one good eager step, again after the load before step 5)
+    # replay, each launch with the guard's flag: False at the skipped step (the warm-up's host
+    # decides first: a skipped warm-up step runs nothing)
+    replayed, warmup_left = [], 1
+    for step in range(1, 9):
+        warmup_left = 1 if step == 5 else warmup_left
+        if warmup_left:
+            warmup_left -= step != skip
+        else:
+            replayed.append(step)
+    assert [bool(go) for go in launches] == [s != skip for s in replayed]
 
 
 @pytest.mark.gpu
