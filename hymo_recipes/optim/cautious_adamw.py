@@ -333,8 +333,13 @@ class CautiousAdamW(GroupStepOptimizer):
         numels = [float(p.numel()) for p in params]  # global sizes (DTensor.numel is global)
 
         if not (group["cautious_update"] and any(shard_spec(p).sharded for p in params)):
+            go = self.go
+            if go is None and self._compiled:
+                # compiled, every step takes a flag (here always true): eager and graphed steps
+                # then run one compiled kernel, with one rounding, and dynamo keeps one graph
+                go = torch.ones((), dtype=torch.bool, device=device)
             self._fused_fn(ps, gs, ms, vs, numels, lr, wd, step_scale, eps_scaled, beta1, beta2,
-                           *flags, self.go)
+                           *flags, go)
             return
         if self.go is not None:  # GraphedStep refuses sharded parameters before this
             raise RuntimeError("CautiousAdamW: a step skipped on the device takes unsharded parameters")
