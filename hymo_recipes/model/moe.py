@@ -284,11 +284,12 @@ def balance_step(load_ema: torch.Tensor, tokens_per_expert: torch.Tensor, alpha:
 
 
 @torch.no_grad()
-def update_expert_biases(moes: list[MoE], tokens_per_expert: torch.Tensor) -> None:
+def update_expert_biases(moes: list[MoE], tokens_per_expert: torch.Tensor, go: torch.Tensor | None = None) -> None:
     """``balance_step`` for several MoE layers at once: ``tokens_per_expert`` [L, E] the step's
     assignments of each of ``moes``. Layers with the same balancing settings and expert count
     are updated together, a dozen launches for all of them instead of a dozen per layer (the
-    GPU waits for these launches at the end of every step)."""
+    GPU waits for these launches at the end of every step). ``go``: a 0-d bool; where it holds
+    False the EMAs and biases keep their values (a step skipped on the device)."""
     groups: dict[tuple, list[int]] = {}
     for i, m in enumerate(moes):
         key = (m.load_ema_alpha, m.balance_band, m.bias_update_speed, m.num_experts, m.load_ema.device)
@@ -297,7 +298,10 @@ def update_expert_biases(moes: list[MoE], tokens_per_expert: torch.Tensor) -> No
         layers = [moes[i] for i in rows]
         loads = (tokens_per_expert if len(rows) == len(moes)  # else stacked views: a list index would copy
                  else torch.stack([tokens_per_expert[i] for i in rows]))  # it from the host, a sync
-        ema, change = balance_step(torch.stack([m.load_ema for m in layers]), loads, alpha, band, speed)
+        old = torch.stack([m.load_ema for m in layers])
+        ema, change = balance_step(old, loads, alpha, band, speed)
+        if go is not None:
+            ema, change = torch.where(go, ema, old), torch.where(go, change, 0.0)
         torch._foreach_copy_([m.load_ema for m in layers], list(ema.unbind(0)))
         torch._foreach_add_([m.expert_bias for m in layers], list(change.unbind(0)))
 

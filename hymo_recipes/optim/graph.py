@@ -24,9 +24,9 @@ test checks the host half, a GPU test the graph).
 
 The skip decided on the device: after the warm-up, the optimizers' container launches the
 replay right behind the NaN guard's device-side verdict (``launch(go)``) and reads the verdict
-on the host only afterwards, so the GPU goes from the backward to the update without waiting for
-the host's read and the graph's launch. Every state write of the captured step (parameters,
-momenta, second moments) then keeps the old value where the flag ``go`` says the step is skipped
+on the host only at the next step (hymo_recipes/titan/optimizers.py), so neither the GPU nor the
+host waits for the other at the update. Every state write of the captured step (parameters,
+momenta, second moments) keeps the old value where the flag ``go`` says the step is skipped
 (``GroupStepOptimizer.graph_mode(go)``): a skipped replay runs and changes nothing; ``commit``
 advances the host counters only for a step the host found good.
 

@@ -14,8 +14,9 @@ container, not through the Trainer):
   ``last_step_skipped``, the scheduler container then does not advance and the MoE step hook
   discards the step's routing counts without touching the balancing bias. A CUDA-graphed
   optimizer step launches its replay between the two halves, its state writes keeping the old
-  values where the flag says so (hymo_recipes/optim/graph.py), so the host's read overlaps the
-  update.
+  values where the flag says so (hymo_recipes/optim/graph.py), and the host reads the verdict a
+  step later (``count`` now, ``decide(bad, step)`` then; the container's ``resolve``): the MoE
+  update follows the flag on the device, the schedule's step waits for the verdict.
 - After ``consecutive_limit`` skips in a row ``decide`` raises NonFiniteTrainingError from
   inside ``optimizers.step()``, i.e. before TorchTitan's ``checkpointer.save`` of that step, so
   the newest checkpoint on disk is one that was completely written before the bad run began (a
@@ -109,12 +110,19 @@ class NonFiniteGuard:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bad
 
-    def decide(self, bad: torch.Tensor) -> bool:
-        """Reads ``flag``'s verdict on the host (the one host sync per step: skipping is a
-        host-side decision for everything but a CUDA-graphed optimizer step), counts the step
-        and returns whether it may update; raises NonFiniteTrainingError at the limit."""
+    def count(self) -> int:
+        """Counts the step in progress before its verdict is read (``decide(bad, step)``, later);
+        returns its number."""
         step = self.current_step
         self.steps_done += 1
+        return step
+
+    def decide(self, bad: torch.Tensor, step: int | None = None) -> bool:
+        """Reads ``flag``'s verdict on the host, counts the step (unless ``count`` did: ``step``
+        is then its number) and returns whether it may update; raises NonFiniteTrainingError at
+        the limit."""
+        if step is None:
+            step = self.count()
         if not bool(bad.item()):
             self.consecutive = 0
             return True

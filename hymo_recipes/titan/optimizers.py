@@ -75,8 +75,12 @@ class HymoOptimizersContainer(OptimizersContainer):
             Replay every optimizer's step as one CUDA graph after a warm-up step
             (hymo_recipes/optim/graph.py; ``[optimizer] cuda_graph``): the same updates without
             the GPU waiting for the host's launches nor, after the warm-up, for the NaN guard's
-            host read (the replay is launched right behind the guard's device-side verdict,
-            which its state writes follow). Default: ``False``.
+            host read: the replay is launched right behind the guard's device-side verdict,
+            which its state writes follow, and the host reads that verdict at the next step
+            (``resolve``; also before a checkpoint's state and on logging steps), when its copy
+            has long landed, so a step between logging steps does not wait for the GPU. Until then ``verdict_pending`` holds,
+            the schedule's step waits and the MoE update follows ``pending_go``. Default:
+            ``False``.
 
     ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
     say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
@@ -110,6 +114,9 @@ class HymoOptimizersContainer(OptimizersContainer):
         self.last_step_skipped = False
         self.step_timer = StepTimer(all_params[0].device)
         self.graphed = GraphedStep(self.optimizers) if cuda_graph else None
+        # a replayed step whose verdict the host has not read yet: (read, step number, go)
+        self._unread: tuple[Callable[[], torch.Tensor], int, torch.Tensor] | None = None
+        self._verdict_listeners: list[Callable[[bool], None]] = []
         # Optimizer.__init__ on the container itself: TorchTitan's hooks machinery needs it.
         self._post_init(all_params, {})
 
@@ -118,6 +125,7 @@ class HymoOptimizersContainer(OptimizersContainer):
         self.step_timer.start()
         try:
             self.last_step_skipped = False
+            self.resolve()  # the last replay's verdict, copied out a whole forward and backward ago
             if self.graphed is not None:
                 if args or kwargs:
                     raise ValueError("optimizer.cuda_graph replays the step: a closure cannot run in it")
@@ -129,14 +137,14 @@ class HymoOptimizersContainer(OptimizersContainer):
                 bad = self.nan_guard.flag(grads)
                 if self.graphed is not None and self.graphed.decides_on_device():
                     # the replay queued right behind the device verdict, which its state writes
-                    # follow (a bad step changes nothing); the host reads the verdict, copied out
-                    # ahead of the replay, while the GPU runs the update
+                    # follow (a bad step changes nothing); the host reads the verdict at the next
+                    # step (``resolve``), so nothing here waits for the GPU
+                    go = bad == 0
                     verdict = _read_ahead(bad)
                     self.step_timer.lap("nan_check")
-                    self.graphed.launch(bad == 0)
+                    self.graphed.launch(go)
                     self.step_timer.lap("graph")
-                    if self._decide(verdict()):
-                        self.graphed.commit()
+                    self._unread = (verdict, self.nan_guard.count(), go)
                     return
                 if not self._decide(bad):
                     return
@@ -151,19 +159,56 @@ class HymoOptimizersContainer(OptimizersContainer):
         finally:
             self.step_timer.stop()
 
-    def _decide(self, bad: torch.Tensor) -> bool:
+    def _decide(self, bad: torch.Tensor, step: int | None = None) -> bool:
         """The NaN guard's host read of its verdict ``bad``; on a skip, sets
-        ``last_step_skipped`` and logs what was non-finite. True if the step updates."""
-        if self.nan_guard.decide(bad):
+        ``last_step_skipped`` and logs what was non-finite. True if the step updates. ``step``:
+        the number of a replayed step read late (its gradients are gone by then)."""
+        if self.nan_guard.decide(bad, step):
             return True
-        self.last_step_skipped = True
         guard = self.nan_guard
+        if step is None:
+            self.last_step_skipped = True
+            where = self.describe_nonfinite()
+        else:
+            where = "its gradients were not inspected (the verdict of a replayed step is read a step later)"
         logger.warning(
             f"step {guard.last_skipped_step}: non-finite loss or gradient; optimizer "
             f"step skipped, nothing updated ({guard.consecutive} in a row, "
-            f"{guard.skipped_total} so far); {self.describe_nonfinite()}"
+            f"{guard.skipped_total} so far); {where}"
         )
         return False
+
+    @property
+    def verdict_pending(self) -> bool:
+        """Whether the last step was a replay whose NaN verdict the host has not read yet: its
+        host-side consequences (the schedule, the step counts, the guard's counters) wait for
+        ``resolve``."""
+        return self._unread is not None
+
+    @property
+    def pending_go(self) -> torch.Tensor | None:
+        """The device flag (0-d bool) of the unread replayed step: what follows it on the device
+        (the MoE balancing's update) must keep its state where it holds False."""
+        return None if self._unread is None else self._unread[2]
+
+    def add_verdict_listener(self, fn: Callable[[bool], None]) -> None:
+        """``fn(updated)`` after each late verdict is read (the lr schedule's deferred step)."""
+        self._verdict_listeners.append(fn)
+
+    def resolve(self) -> None:
+        """Reads the verdict of the last replayed step if it is still unread: the guard counts
+        and judges it (raising at its limit), a good step's host counters advance, the listeners
+        hear it. The next step's ``step`` calls it (its copy landed long before: no wait), and so
+        do checkpoints and the logging steps."""
+        if self._unread is None:
+            return
+        read, step, _ = self._unread
+        self._unread = None
+        updated = self._decide(read(), step)
+        if updated:
+            self.graphed.commit()
+        for fn in self._verdict_listeners:
+            fn(updated)
 
     def describe_nonfinite(self, limit: int = 5) -> str:
         """Names this rank's parameters whose gradient or value is non-finite.
@@ -188,6 +233,7 @@ class HymoOptimizersContainer(OptimizersContainer):
                 f"non-finite parameters: {listed(bad_param)}")
 
     def state_dict(self) -> dict[str, Any]:
+        self.resolve()
         sd: dict[str, Any] = {}
         for part, opt in zip(self.optimizer_parts, self.optimizers):
             sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
@@ -198,6 +244,7 @@ class HymoOptimizersContainer(OptimizersContainer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.resolve()
         guard_state = {k[len(_GUARD) + 1:]: v for k, v in state_dict.items()
                        if k.startswith(_GUARD + ".")}
         state_dict = {k: v for k, v in state_dict.items() if not k.startswith(_GUARD + ".")}
@@ -222,7 +269,7 @@ _GUARD = "nan_guard"
 
 def _read_ahead(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     """Starts a host copy of the small tensor ``t`` now, ahead of the work queued after it on the
-    stream; the returned function waits for that copy alone and returns it."""
+    stream; the returned function returns it, waiting only if that copy has not landed yet."""
     if t.device.type != "cuda":
         return lambda: t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -231,7 +278,8 @@ def _read_ahead(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     copied.record()
 
     def wait() -> torch.Tensor:
-        copied.synchronize()
+        if not copied.query():
+            copied.synchronize()
         return host
 
     return wait
@@ -318,16 +366,36 @@ class HymoLRSchedulersContainer(LRSchedulersContainer):
         self.lr_lambda = lr_lambda
         self.schedule = schedule
         self._optimizers = optimizers
+        self._owed = False  # a step owed to a replayed step whose verdict is unread
+        if hasattr(optimizers, "add_verdict_listener"):
+            optimizers.add_verdict_listener(self._on_verdict)
 
     def step(self) -> None:
         # A step the optimizer container skipped (non-finite gradients) does not advance the
-        # schedule either.
+        # schedule either; after a replayed step the schedule waits for its verdict.
+        if getattr(self._optimizers, "verdict_pending", False):
+            self._owed = True
+            return
         if getattr(self._optimizers, "last_step_skipped", False):
             return
         for scheduler in self.schedulers:
             scheduler.step()
 
+    def _on_verdict(self, updated: bool) -> None:
+        if self._owed:
+            self._owed = False
+            if updated:
+                for scheduler in self.schedulers:
+                    scheduler.step()
+
+    def _resolve(self) -> None:
+        # a deferred step taken or dropped before the position is read or replaced
+        resolve = getattr(self._optimizers, "resolve", None)
+        if resolve is not None:
+            resolve()
+
     def state_dict(self) -> dict[str, Any]:
+        self._resolve()
         out: dict[str, Any] = {}
         for name, sched in zip(self.names, self.schedulers):
             if name not in out:
@@ -337,6 +405,7 @@ class HymoLRSchedulersContainer(LRSchedulersContainer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resolve()
         if "last_epoch" in state_dict:
             raise ValueError(
                 "lr_scheduler checkpoint has TorchTitan's single-scheduler layout; HyMo saves "

@@ -35,10 +35,12 @@ def moe_modules(model_parts: list[nn.Module]) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def balance_experts(moes: list[nn.Module], loss_mesh, stats: StepStats, *, update: bool = True) -> None:
+def balance_experts(moes: list[nn.Module], loss_mesh, stats: StepStats, *, update: bool = True,
+                    go: torch.Tensor | None = None) -> None:
     """All-reduce each MoE's counters over ``loss_mesh`` (None: single rank), update its bias
-    (unless ``update`` is False: a skipped step), record the global counts in ``stats`` and
-    zero the counters."""
+    (unless ``update`` is False: a skipped step; where the 0-d bool ``go`` holds False on the
+    device, the update leaves the bias and its EMA as they were), record the global counts in
+    ``stats`` and zero the counters."""
     # [2, L, E]: routed and dropped assignments per layer and expert
     counts = torch.stack([m.tokens_per_expert for m in moes]
                          + [m.dropped_tokens for m in moes]).view(2, len(moes), -1)  # one launch
@@ -46,7 +48,7 @@ def balance_experts(moes: list[nn.Module], loss_mesh, stats: StepStats, *, updat
         torch.distributed.all_reduce(counts, group=loss_mesh.get_group())
     load, dropped = counts
     if update:
-        update_expert_biases(moes, load)
+        update_expert_biases(moes, load, go)
     reset_load_counters(moes)
     stats.moe_load, stats.moe_dropped = load, dropped
 
@@ -62,6 +64,7 @@ def register_step_hooks(optimizers, model_parts: list[nn.Module], parallel_dims,
         stats.end_step()
         if moes:
             skipped = getattr(optimizers, "last_step_skipped", False)
-            balance_experts(moes, loss_mesh, stats, update=not skipped)
+            # a replayed step's verdict is read later: its update follows the device flag
+            balance_experts(moes, loss_mesh, stats, update=not skipped, go=getattr(optimizers, "pending_go", None))
 
     optimizers.register_step_post_hook(after_step)

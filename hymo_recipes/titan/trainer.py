@@ -166,7 +166,6 @@ class HymoTrainer(Trainer):
             self._start_step = self.step  # the first step this process trains (a resume's loaded step + 1)
             self._data_can_run_out = data_can_run_out(self.dataloader)
         self.optimizers.zero_grad()
-        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         parallel_dims = self.parallel_dims
 
         microbatches = []
@@ -223,11 +222,17 @@ class HymoTrainer(Trainer):
         )
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
+        # this step's lr: read after the optimizers' step, which takes the schedule's step owed
+        # to a replayed step read late (hymo_recipes/titan/optimizers.py)
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         self.lr_schedulers.step()
 
         loss = torch.sum(torch.stack(accumulated_losses))
         if not self.metrics_processor.should_log(self.step):
             return
+        resolve = getattr(self.optimizers, "resolve", None)
+        if resolve is not None:  # this step's verdict into the logged counters (the log syncs anyway)
+            resolve()
 
         if parallel_dims.dp_cp_enabled:
             loss = loss.detach()

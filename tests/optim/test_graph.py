@@ -199,9 +199,17 @@ def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(s
     for model, opts, scheds, ls in ((eager, opts_e, scheds_e, losses[0]), (graphed, opts_g, scheds_g, losses[1])):
         ls += train_steps(model, opts, scheds, range(5, 9), nan_grad_steps={skip})
     assert losses[0] == losses[1]
+    # the last replay's verdict is still unread (a checkpoint, a logging step or the next step
+    # reads it): until then its step counts and the schedule's step wait
+    assert opts_g.verdict_pending and opts_g.pending_go is not None
+    assert [s.get_last_lr() for s in scheds_g.schedulers] != [s.get_last_lr() for s in scheds_e.schedulers]
+    opts_g.resolve()
+    assert not opts_g.verdict_pending and opts_g.pending_go is None
+    assert [s.get_last_lr() for s in scheds_g.schedulers] == [s.get_last_lr() for s in scheds_e.schedulers]
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
         assert torch.equal(p, q), name
     assert opts_e.nan_guard.skipped_total == opts_g.nan_guard.skipped_total == 1
+    assert opts_e.nan_guard.steps_done == opts_g.nan_guard.steps_done == 8
     counts = [[s["step"].item() for s in o.optimizers[1].state.values()] for o in (opts_e, opts_g)]
     assert counts[0] == counts[1] == [7.0] * len(counts[0])
     assert opts_g.graphed.captures == 2
@@ -249,6 +257,7 @@ def test_gpu_graphed_container_equals_the_eager_one(compiled):
     losses_e += train_steps(eager, opts_e, scheds_e, range(5, 10), nan_grad_steps={7})
     torch._dynamo.reset()
     losses_g += train_steps(graphed, opts_g, scheds_g, range(5, 10), nan_grad_steps={7})
+    opts_g.resolve()  # the last replay's verdict, as a checkpoint or a logging step reads it
     assert opts_g.graphed.captures == 2
     assert opts_e.nan_guard.skipped_total == opts_g.nan_guard.skipped_total == 1
     torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=1e-5, atol=0)

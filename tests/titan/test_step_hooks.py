@@ -52,6 +52,37 @@ def test_hook_balances_every_moe_then_resets_its_counters(step_stats):
     assert torch.equal(step_stats.moe_dropped, torch.stack([c[1] for c in counts]))
 
 
+@pytest.mark.parametrize("go", [True, False])
+def test_a_replayed_steps_flag_decides_the_update_on_the_device(step_stats, go):
+    """After a replayed optimizer step the host has not read the NaN verdict yet: the hook
+    hands the step's device flag (``pending_go``) to the update, which updates as without it
+    when the flag holds True and keeps the EMAs and biases, bit for bit, when it holds False;
+    the counts are shown and zeroed either way."""
+    model = torch.nn.ModuleDict({"a": _moe(0), "b": _moe(1)})
+    reference = copy.deepcopy(model)
+    optimizers = OptimizersContainer([model], torch.optim.SGD, {"lr": 0.1})
+    optimizers.pending_go = torch.tensor(go)
+    register_step_hooks(optimizers, [model], SINGLE_RANK, step_stats)
+    x = torch.randn(2, 16, hymo_flavors["debugmodel"].dim)
+    sum(m(x).square().mean() for m in model.values()).backward()
+    counts = [m.tokens_per_expert.clone() for m in model.values()]
+    optimizers.step()
+    for m, ref, load in zip(model.values(), reference.values(), counts):
+        if go:
+            ref.update_expert_bias(load)
+        else:
+            assert not torch.equal(load, torch.zeros_like(load))
+        torch.testing.assert_close(m.expert_bias, ref.expert_bias, rtol=0, atol=0)
+        torch.testing.assert_close(m.load_ema, ref.load_ema, rtol=0, atol=0)
+        assert m.tokens_per_expert.sum() == 0
+    assert torch.equal(step_stats.moe_load, torch.stack(counts))
+    if not go:  # the same step with the flag true does move the bias
+        optimizers.pending_go = torch.tensor(True)
+        sum(m(x).square().mean() for m in model.values()).backward()
+        optimizers.step()
+        assert not torch.equal(model["a"].expert_bias, reference["a"].expert_bias)
+
+
 def test_a_skipped_step_discards_its_counts_and_keeps_the_bias(step_stats):
     """A step the NaN guard skipped changes no balancing state: the EMA and bias stay, the
     step's counts are shown in the metrics but discarded (zeroed), so the next update sees
