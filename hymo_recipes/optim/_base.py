@@ -120,8 +120,11 @@ class GroupStepOptimizer(Optimizer):
 
 def write_if(go: torch.Tensor | None, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i] ← src[i]`` in one multi-tensor copy; with ``go`` (a 0-d device bool) each ``dst``
-    keeps its value where ``go`` holds False (a select, not a blend: NaN in ``src`` stays out)."""
-    if go is not None:
-        src = [torch.where(go, s, d) for s, d in zip(src, dst)]
-    if dst:
-        torch._foreach_copy_(dst, src)
+    keeps its value where ``go`` holds False (a select, not a blend: NaN in ``src`` stays out),
+    one tensor at a time, so that one select's temporary is alive at once."""
+    if go is None:
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return
+    for s, d in zip(src, dst):
+        d.copy_(torch.where(go, s, d))

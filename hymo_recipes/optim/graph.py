@@ -1,13 +1,13 @@
 """Every optimizer's step as one CUDA graph, replayed once per training step.
 
 Why: the step is thousands of small kernels (NorMuon's per-shape batches, CautiousAdamW's
-multi-tensor passes). They start right after the NaN guard's host read of the gradients'
-finiteness, which waits for the backward, so the GPU idles while the host launches them one by
-one (hymo_small: 42 % busy inside the step, BENCHMARKS.md). Replayed as one graph they run back
-to back.
+multi-tensor passes). Launched eagerly after the NaN guard's host read of the gradients'
+finiteness, which waits for the backward, they left the GPU idle while the host launched them
+one by one (hymo_small: 42 % busy inside the step, BENCHMARKS.md). Replayed as one graph they
+run back to back.
 
 How: each step's host half runs first (``stage``, which the optimizers' container calls before
-the NaN guard's host sync, so that it overlaps the backward still running on the GPU): each
+the NaN guard's verdict, so that it overlaps the backward still running on the GPU): each
 optimizer's ``prepare_graph_step`` computes the scalars of the step about to run (the scheduled
 lr, CautiousAdamW's bias corrections) into 0-d device tensors, advancing no host counter, and,
 after the warm-up, the gradients are copied into static buffers (one multi-tensor copy; a
@@ -16,9 +16,9 @@ thus changes nothing. The first ``warmup_steps`` steps run eagerly on a side str
 those tensors as the capture will (torch.compile compiles the optimizers' compiled maths for
 them here, since no compile can run inside a capture; the libraries' workspaces are set up on
 the capture's stream). After that, the first time, the optimizers' steps are captured with the
-parameters' ``.grad`` pointing at the static buffers; then the graph is replayed. After a
-warm-up step or a replay, ``commit_graph_step`` advances the host counters (CautiousAdamW's
-step counts). Parameters and optimizer states are updated in place, so their addresses stay the
+parameters' ``.grad`` pointing at the static buffers; then the graph is replayed (``launch``).
+After a warm-up step, or once the host knows a replayed step was good (``commit``),
+``commit_graph_step`` advances the host counters (CautiousAdamW's step counts). Parameters and optimizer states are updated in place, so their addresses stay the
 graph's; the scalars are the eager step's values, so the updates are the eager step's (a CPU
 test checks the host half, a GPU test the graph).
 
@@ -97,10 +97,9 @@ class GraphedStep:
         """The step's host half now: the optimizers' scalars for the step about to run
         (``prepare_graph_step``, which advances no counter) and, after the warm-up, this step's
         gradients copied into the graph's static buffers. The optimizers' container calls it
-        before the NaN guard's host sync, so that this host work and its launches run while the
-        GPU still works through the backward, not while it waits for the replay; a step the guard
-        then skips changes nothing (the next stage overwrites both), and ``step(staged=True)``
-        runs it."""
+        before the NaN guard's verdict, so that this host work and its launches run while the
+        GPU still works through the backward; a step the guard then skips changes nothing (the
+        next stage overwrites both). ``step(staged=True)`` (the warm-up) or ``launch`` runs it."""
         if self.device is None:
             self._find_device()
         for o in self.optimizers:
@@ -140,6 +139,8 @@ class GraphedStep:
         step updated."""
         if self._eager_left > 0:
             raise RuntimeError("GraphedStep.launch before the warm-up steps ran (use step)")
+        if self._go is None:  # before any capture: the graph reads this tensor
+            self._go = torch.ones((), dtype=torch.bool, device=self.device)
         if self._graph is None:
             self._capture([p.grad for p in self.params])
         if go is None:

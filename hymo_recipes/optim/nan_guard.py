@@ -9,21 +9,25 @@ container, not through the Trainer):
 - ``HymoOptimizersContainer.step`` asks it before any optimizer runs: ``flag(grads)`` folds the
   loss flag together with the gradients' finiteness and max-reduces it over all ranks (every
   rank must take the same decision, or FSDP's next collectives hang), on the device; ``decide``
-  reads it on the host: one sync per step (``check_step`` is the two in one). On a skip no
+  reads it on the host, one sync per step (``check_step`` is the two in one). On a skip no
   optimizer runs, so no parameter or optimizer state changes; the container sets
   ``last_step_skipped``, the scheduler container then does not advance and the MoE step hook
-  discards the step's routing counts without touching the balancing bias. A CUDA-graphed
-  optimizer step launches its replay between the two halves, its state writes keeping the old
-  values where the flag says so (hymo_recipes/optim/graph.py), and the host reads the verdict a
-  step later (``count`` now, ``decide(bad, step)`` then; the container's ``resolve``): the MoE
-  update follows the flag on the device, the schedule's step waits for the verdict.
+  discards the step's routing counts without touching the balancing bias.
+- A CUDA-graphed optimizer step (after its warm-up) launches its replay between the two
+  halves, its state writes keeping the old values where the flag says so
+  (hymo_recipes/optim/graph.py), and the host reads the verdict later: ``count`` numbers the
+  step at once, ``decide(bad, step)`` judges it at the container's ``resolve`` (the next step's
+  optimizer step, a logging step, the last step, or before a checkpoint is written or loaded).
+  Until then the MoE update follows the flag on the device (``pending_go``) and the schedule's
+  step waits for the verdict; the skip's warning comes then, without the parameters' names.
 - After ``consecutive_limit`` skips in a row ``decide`` raises NonFiniteTrainingError from
-  inside ``optimizers.step()``, i.e. before TorchTitan's ``checkpointer.save`` of that step, so
-  the newest checkpoint on disk is one that was completely written before the bad run began (a
-  DCP checkpoint counts only once its ``.metadata`` exists, and DCP writes that file last, via
-  a temporary file and a rename).
+  inside ``optimizers.step()`` (a replayed step's: from the next step's, or from ``resolve``
+  before a save starts or after the logging or last step), i.e. before TorchTitan's
+  ``checkpointer.save`` writes the skipped state, so the newest checkpoint on disk is one that
+  was completely written before the bad run began (a DCP checkpoint counts only once its
+  ``.metadata`` exists, and DCP writes that file last, via a temporary file and a rename).
 
-The guard counts train steps itself (``steps_done``: every ``decide``, skipped or not, i.e.
+The guard counts train steps itself (``steps_done``: every ``count``, skipped or not, i.e.
 TorchTitan's ``trainer.step`` after the step) because neither the loss function nor the
 optimizers see the trainer. Its counters travel in the optimizer checkpoint (see
 ``state_dict``), so step numbers, the injected steps and the skip total continue across a resume.

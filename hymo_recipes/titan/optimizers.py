@@ -68,7 +68,8 @@ class HymoOptimizersContainer(OptimizersContainer):
             If given, ``step`` first asks it whether this step's losses and gradients are
             finite on every rank (nan_guard.py) and skips the whole step when not: no
             parameter or optimizer state changes, ``last_step_skipped`` is set (the scheduler
-            container then skips its step too; step post-hooks must check it), and after
+            container then skips its step too; step post-hooks must check it, and
+            ``pending_go`` after a replayed step, whose verdict is read later), and after
             ``consecutive_limit`` skips in a row it raises NonFiniteTrainingError. Its counters
             are saved with the optimizer state. Default: ``None``.
         cuda_graph (bool):

@@ -18,7 +18,10 @@ A step the optimizer container skipped (``last_step_skipped``: a NaN/Inf loss or
 hymo_recipes/optim/nan_guard.py) must change nothing: its counts are still all-reduced and
 shown in the metrics (where the bad step routed its tokens is a useful diagnostic), but they
 are discarded, not fed to ``update_expert_bias``: the EMA and the bias stay as they were, and
-the next step starts from zeroed counters (its update sees only its own tokens).
+the next step starts from zeroed counters (its update sees only its own tokens). After a
+replayed optimizer step (``optimizer.cuda_graph``) the host has not read the verdict yet: the
+update then runs under the step's device flag (``pending_go``), which keeps the EMA and the bias
+where the step was skipped.
 """
 
 from __future__ import annotations

@@ -228,11 +228,14 @@ class HymoTrainer(Trainer):
         self.lr_schedulers.step()
 
         loss = torch.sum(torch.stack(accumulated_losses))
-        if not self.metrics_processor.should_log(self.step):
-            return
+        logged = self.metrics_processor.should_log(self.step)
         resolve = getattr(self.optimizers, "resolve", None)
-        if resolve is not None:  # this step's verdict into the logged counters (the log syncs anyway)
+        if resolve is not None and (logged or self.step >= self.job_config.training.steps):
+            # a replayed step's NaN verdict, else read at the next step: into the logged counters
+            # (the log syncs anyway), and at the last step, where no next step reads it
             resolve()
+        if not logged:
+            return
 
         if parallel_dims.dp_cp_enabled:
             loss = loss.detach()

@@ -54,8 +54,8 @@ def row_sumsq(X: Tensor, transposed: bool) -> Tensor:
 
 def neuron_factor_(rowsq: Tensor, vs: list[Tensor], beta2: float, eps: float, cols: int,
                    go: Tensor | None = None) -> Tensor:
-    """Updates the members' neuron second moments ([m] or [c, m], fp32) in place; returns the
-    per-row factors [B, m] fp32."""
+    """Updates the members' neuron second moments ([m] or [c, m], fp32) in place (not where
+    ``go`` holds False); returns the per-row factors [B, m] fp32."""
     m = rowsq.shape[-1]
     V = torch.cat([v.reshape(-1, m) for v in vs])
     V = V.lerp(rowsq / cols, 1.0 - beta2)
@@ -71,7 +71,8 @@ def neuron_factor_(rowsq: Tensor, vs: list[Tensor], beta2: float, eps: float, co
 
 def apply_update_(X: Tensor, factor: Tensor | None, params: list[Tensor], lr_s: Tensor, lr_wd: Tensor,
                   apply_wd: bool, cautious_wd: bool, transposed: bool, go: Tensor | None = None) -> None:
-    """W of every member updated in place from O (fp32 maths, one rounding to W's dtype)."""
+    """W of every member updated in place from O (fp32 maths, one rounding to W's dtype); not
+    where ``go`` holds False."""
     O = X.float().mT if transposed else X.float()
     m, k = O.shape[-2:]
     U = O * factor.unsqueeze(-1) if factor is not None else O
