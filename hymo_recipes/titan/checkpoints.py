@@ -452,7 +452,7 @@ class SaveGuard:
         return f"the previous checkpoint (step {plan.target}) is kept"
 
     def _guarded_save(self, step: int, last_step: bool, force: bool) -> None:
-        resolve = getattr(self.trainer.optimizers, "resolve", None)
+        resolve = getattr(getattr(self.trainer, "optimizers", None), "resolve", None)
         if resolve is not None:
             # a replayed optimizer step's NaN verdict read before anything is written: a stop
             # at the guard's limit then comes before this save starts, not inside it
