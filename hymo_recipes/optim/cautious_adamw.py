@@ -213,6 +213,7 @@ class CautiousAdamW(GroupStepOptimizer):
         )
         self._check_hparams(defaults)
         self._compiled = compiled
+        self._true: dict[torch.device, Tensor] = {}  # the compiled step's flag outside a graph
         self._fused_fn, self._moments_fn, self._update_fn = _fused_step, _moments, _update
         if compiled:
             # dynamic=False: shapes are fixed for a run; the scalars that change every step
@@ -337,7 +338,9 @@ class CautiousAdamW(GroupStepOptimizer):
             if go is None and self._compiled:
                 # compiled, every step takes a flag (here always true): eager and graphed steps
                 # then run one compiled kernel, with one rounding, and dynamo keeps one graph
-                go = torch.ones((), dtype=torch.bool, device=device)
+                go = self._true.get(device)
+                if go is None:
+                    go = self._true[device] = torch.ones((), dtype=torch.bool, device=device)
             self._fused_fn(ps, gs, ms, vs, numels, lr, wd, step_scale, eps_scaled, beta1, beta2,
                            *flags, go)
             return

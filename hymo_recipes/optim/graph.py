@@ -18,9 +18,10 @@ them here, since no compile can run inside a capture; the libraries' workspaces 
 the capture's stream). After that, the first time, the optimizers' steps are captured with the
 parameters' ``.grad`` pointing at the static buffers; then the graph is replayed (``launch``).
 After a warm-up step, or once the host knows a replayed step was good (``commit``),
-``commit_graph_step`` advances the host counters (CautiousAdamW's step counts). Parameters and optimizer states are updated in place, so their addresses stay the
-graph's; the scalars are the eager step's values, so the updates are the eager step's (a CPU
-test checks the host half, a GPU test the graph).
+``commit_graph_step`` advances the host counters (CautiousAdamW's step counts). Parameters and
+optimizer states are updated in place, so their addresses stay the graph's; the scalars are the
+eager step's values, so the updates are the eager step's (a CPU test checks the host half, a GPU
+test the graph).
 
 The skip decided on the device: after the warm-up, the optimizers' container launches the
 replay right behind the NaN guard's device-side verdict (``launch(go)``) and reads the verdict
@@ -139,8 +140,7 @@ class GraphedStep:
         step updated."""
         if self._eager_left > 0:
             raise RuntimeError("GraphedStep.launch before the warm-up steps ran (use step)")
-        if self._go is None:  # before any capture: the graph reads this tensor
-            self._go = torch.ones((), dtype=torch.bool, device=self.device)
+        self._flag()  # before any capture: the graph reads this tensor
         if self._graph is None:
             self._capture([p.grad for p in self.params])
         if go is None:
@@ -155,12 +155,17 @@ class GraphedStep:
         for o in self.optimizers:
             o.commit_graph_step()
 
-    def _step_in_graph_mode(self) -> None:
+    def _flag(self) -> torch.Tensor:
+        """The device flag the step's state writes follow; made true after each ``reset``, so
+        that the warm-up steps update."""
         if self._go is None:
             self._go = torch.ones((), dtype=torch.bool, device=self.device)
+        return self._go
+
+    def _step_in_graph_mode(self) -> None:
         with contextlib.ExitStack() as modes:
             for o in self.optimizers:
-                modes.enter_context(o.graph_mode(self._go))
+                modes.enter_context(o.graph_mode(self._flag()))
             for o in self.optimizers:
                 o.step()
 

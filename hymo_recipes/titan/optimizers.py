@@ -79,9 +79,9 @@ class HymoOptimizersContainer(OptimizersContainer):
             host read: the replay is launched right behind the guard's device-side verdict,
             which its state writes follow, and the host reads that verdict at the next step
             (``resolve``; also before a checkpoint's state and on logging steps), when its copy
-            has long landed, so a step between logging steps does not wait for the GPU. Until then ``verdict_pending`` holds,
-            the schedule's step waits and the MoE update follows ``pending_go``. Default:
-            ``False``.
+            has long landed, so a step between logging steps does not wait for the GPU. Until
+            then ``verdict_pending`` holds, the schedule's step waits and the MoE update follows
+            ``pending_go``. Default: ``False``.
 
     ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
     say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
