@@ -48,6 +48,12 @@ COPY = "memcpy / memset"
 # host CUDA API calls (cat cuda_runtime / cuda_driver) by what they do
 LAUNCH_API = re.compile(r"^(cudaLaunch|cuLaunch)")
 SYNC_API = re.compile(r"^cuda(Stream|Device|Event)Synchronize$")
+# calls that make the host wait for the GPU: the explicit synchronisations and the blocking copies
+BLOCKING_API = ("cudaMemcpy", "cudaStreamWaitEvent_sync")
+
+
+def _blocks(name: str) -> bool:
+    return bool(SYNC_API.match(name)) or name in BLOCKING_API
 
 
 def categorize(name: str) -> str:
@@ -114,6 +120,9 @@ def breakdown(trace: dict) -> dict:
     calls = {what: dict(n=sum(1 for e in api if rx.match(e["name"])),
                         ms=sum(e["dur"] for e in api if rx.match(e["name"])) / 1e3)
              for what, rx in (("launches", LAUNCH_API), ("synchronisations", SYNC_API))}
+    # the host waiting for the GPU inside an optimizer step (a sync or a blocking copy)
+    calls["synchronisations"]["in_opt"] = sum(1 for e in api if _blocks(e["name"])
+                                              and any(s <= e["ts"] <= t for s, t in opt_spans))
     return dict(categories=dict(cats), kernels=dict(names), kernel_ms=sum(c["ms"] for c in cats.values()),
                 busy_ms=phases["step"]["busy_ms"], span_ms=phases["step"]["span_ms"], phases=phases, api=calls,
                 step_ms=sum(e["dur"] for e in steps) / 1e3 if steps else None, n_steps=len(steps),
@@ -167,7 +176,7 @@ def idle_and_syncs(trace: dict, min_gap_us: float = 20.0) -> dict:
         end = max(end, e["ts"] + e["dur"])
     syncs: dict[str, dict] = defaultdict(lambda: dict(ms=0.0, n=0))
     for e in api:
-        if SYNC_API.match(e["name"]) or e["name"] in ("cudaMemcpy", "cudaStreamWaitEvent_sync"):
+        if _blocks(e["name"]):
             label = _label(_enclosing(ops_by_tid, e.get("tid"), e["ts"]), depth=4)
             syncs[f"{e['name']}: {label}"]["ms"] += e["dur"] / 1e3
             syncs[f"{e['name']}: {label}"]["n"] += 1
@@ -229,7 +238,9 @@ def render(b: dict, top: int = 12) -> str:
     for phase, p in b["phases"].items():
         share = 100 * p["busy_ms"] / p["span_ms"] if p["span_ms"] else 100.0
         rows.append(f"| {phase} | {p['span_ms']:.1f} | {p['busy_ms']:.1f} | {share:.0f} % | {p['n']} |")
-    rows += ["", "host CUDA API: " + ", ".join(f"{c['n']} {what} ({c['ms']:.1f} ms)" for what, c in b["api"].items()),
+    in_opt = b["api"]["synchronisations"]["in_opt"]
+    rows += ["", "host CUDA API: " + ", ".join(f"{c['n']} {what} ({c['ms']:.1f} ms)" for what, c in b["api"].items())
+             + f"; host waits for the GPU inside Optimizer.step: {in_opt}",
              "", f"| longest kernels (top {top}) | GPU ms | count |", "|---|---|---|"]
     for name, k in sorted(b["kernels"].items(), key=lambda kv: (-kv[1]["ms"], kv[0]))[:top]:
         short = name if len(name) <= 90 else name[:87] + "..."

@@ -61,7 +61,16 @@ def test_breakdown_by_category_and_optimizer_share():
     assert b["phases"]["inside Optimizer.step"] == pytest.approx(dict(busy_ms=0.4, span_ms=0.5, n=2))
     assert b["phases"]["outside Optimizer.step"] == pytest.approx(dict(busy_ms=1.1, span_ms=3.1, n=8))
     assert b["api"]["launches"] == pytest.approx(dict(n=10, ms=0.03))
-    assert b["api"]["synchronisations"] == pytest.approx(dict(n=1, ms=0.2))
+    assert b["api"]["synchronisations"] == pytest.approx(dict(n=1, ms=0.2, in_opt=0))
+
+
+@pytest.mark.parametrize("name, ts, in_opt", [("cudaStreamSynchronize", 3500, 1), ("cudaMemcpy", 3990, 1),
+                                              ("cudaEventSynchronize", 2990, 0), ("cudaLaunchKernel", 3500, 0)])
+def test_host_waits_inside_the_optimizer_step_are_counted(name, ts, in_opt):
+    extra = dict(ph="X", cat="cuda_runtime", name=name, ts=ts, dur=5, pid=1, tid=1)
+    b = tb.breakdown({"traceEvents": TRACE["traceEvents"] + [extra]})
+    assert b["api"]["synchronisations"]["in_opt"] == in_opt
+    assert f"host waits for the GPU inside Optimizer.step: {in_opt}" in tb.render(b)
 
 
 def test_overlapping_kernels_count_once_in_busy_time():
@@ -80,7 +89,8 @@ def test_render_and_cli(tmp_path, capsys):
     assert "| GEMM | 0.50 | 33.3 % | 2 | 0.30 |" in out
     assert "5.0 ms host time in 1 ProfilerStep annotation(s); 1 Optimizer.step annotation(s)" in out
     assert "| step | 3.6 | 1.5 | 42 % | 10 |" in out and "| inside Optimizer.step | 0.5 | 0.4 | 80 % | 2 |" in out
-    assert "host CUDA API: 10 launches (0.0 ms), 1 synchronisations (0.2 ms)" in out
+    assert ("host CUDA API: 10 launches (0.0 ms), 1 synchronisations (0.2 ms); host waits for the GPU inside "
+            "Optimizer.step: 0") in out
     top = [line for line in out.splitlines() if line.startswith("| `")]
     # longest first; equal times (0.1 ms: _fwd_out and the NCCL kernel) by name
     assert [line.split("`")[1] for line in top] == ["_bwd_local_kernel", "sm90_xmma_gemm_bf16bf16_bf16f32",
