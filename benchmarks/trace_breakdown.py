@@ -10,7 +10,9 @@ the step's host time (the host's ``ProfilerStep#N`` annotation), how busy the GP
 span of its kernels, for the whole step and for the kernels launched inside the optimizer step
 and outside it (the step's span less the optimizer's; a GPU busy well below 100 % means the
 host, not the GPU, sets the pace), the
-host's CUDA API time in launches and synchronisations, and the longest kernels by name. With
+host's CUDA API time in launches and synchronisations, how often the host waited for the GPU
+(a synchronisation or a blocking copy) inside ``Optimizer.step``, and the longest kernels by
+name. With
 ``--idle``: the GPU's idle gaps, charged to the host events around the launch that ended each,
 every synchronising call under its host events, and the GPU's busy share window by window over
 the step (``--window`` ms). A trace of CUDA activity alone (``CUDA_ONLY=1 bash
