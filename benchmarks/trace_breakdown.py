@@ -123,10 +123,10 @@ def breakdown(trace: dict) -> dict:
                         ms=sum(e["dur"] for e in api if rx.match(e["name"])) / 1e3)
              for what, rx in (("launches", LAUNCH_API), ("synchronisations", SYNC_API))}
     # the host waiting for the GPU inside an optimizer step (a sync or a blocking copy)
-    calls["synchronisations"]["in_opt"] = sum(1 for e in api if _blocks(e["name"])
-                                              and any(s <= e["ts"] <= t for s, t in opt_spans))
+    waits_in_opt = sum(1 for e in api if _blocks(e["name"]) and any(s <= e["ts"] <= t for s, t in opt_spans))
     return dict(categories=dict(cats), kernels=dict(names), kernel_ms=sum(c["ms"] for c in cats.values()),
                 busy_ms=phases["step"]["busy_ms"], span_ms=phases["step"]["span_ms"], phases=phases, api=calls,
+                host_waits_in_optimizer=waits_in_opt,
                 step_ms=sum(e["dur"] for e in steps) / 1e3 if steps else None, n_steps=len(steps),
                 optimizer_spans=len(opt_spans))
 
@@ -240,9 +240,8 @@ def render(b: dict, top: int = 12) -> str:
     for phase, p in b["phases"].items():
         share = 100 * p["busy_ms"] / p["span_ms"] if p["span_ms"] else 100.0
         rows.append(f"| {phase} | {p['span_ms']:.1f} | {p['busy_ms']:.1f} | {share:.0f} % | {p['n']} |")
-    in_opt = b["api"]["synchronisations"]["in_opt"]
     rows += ["", "host CUDA API: " + ", ".join(f"{c['n']} {what} ({c['ms']:.1f} ms)" for what, c in b["api"].items())
-             + f"; host waits for the GPU inside Optimizer.step: {in_opt}",
+             + f"; host waits for the GPU inside Optimizer.step: {b['host_waits_in_optimizer']}",
              "", f"| longest kernels (top {top}) | GPU ms | count |", "|---|---|---|"]
     for name, k in sorted(b["kernels"].items(), key=lambda kv: (-kv[1]["ms"], kv[0]))[:top]:
         short = name if len(name) <= 90 else name[:87] + "..."
