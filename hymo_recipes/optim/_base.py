@@ -10,6 +10,13 @@ import torch
 from torch.optim import Optimizer
 
 
+# What the groups' cost estimates (``_group_cost``) assume of a GPU: order of magnitude only,
+# enough to tell a group of large matrix products from one of small elementwise passes.
+GEMM_FLOPS_PER_S = 4e14
+BYTES_PER_S = 2.5e12
+LAUNCH_S = 5e-6
+
+
 class GroupStepOptimizer(Optimizer):
     """``step`` runs the closure, then ``_step_group`` once per param group that has params.
 
@@ -23,11 +30,14 @@ class GroupStepOptimizer(Optimizer):
     advances host counters nor bakes per-step host values into the graph (what is fixed for a
     run, betas, eps and weight decay, is). ``graph_mode(go)`` also hands the step a 0-d device
     bool: every write to a parameter or an optimizer state then keeps the old value where ``go``
-    holds False (``write_if``), so that the NaN guard can skip a replayed step on the device."""
+    holds False (``write_if``), so that the NaN guard can skip a replayed step on the device.
+    ``graph_mode(go, lanes)`` also spreads the step's param groups over CUDA streams: groups touch
+    disjoint parameters and states, so each runs whole on one stream (``graph.StreamLanes``)."""
 
     _graph_scalars: dict | None = None  # the device scalars prepare_graph_step writes
     _in_graph = False  # inside graph_mode(): the step reads them
     _go: torch.Tensor | None = None  # inside graph_mode(go): the state writes follow it
+    _lanes = None  # inside graph_mode(go, lanes): the streams the groups' steps are spread over
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -37,11 +47,20 @@ class GroupStepOptimizer(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if group["params"]:
-                self._step_group(group)
+                if self._lanes is None:
+                    self._step_group(group)
+                else:
+                    with self._lanes.take(self._group_cost(group)):
+                        self._step_group(group)
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError  # abstract: each optimizer supplies its update
+
+    def _group_cost(self, group: dict[str, Any]) -> float:
+        """A rough estimate of the GPU seconds of ``_step_group(group)``, by which
+        ``graph_mode(lanes=...)`` balances the groups over its streams; no device work."""
+        raise NotImplementedError  # abstract: each optimizer supplies its estimate
 
     def _prepare_host_step(self, index: int, group: dict[str, Any]) -> Iterator[tuple[tuple, float, torch.device, torch.dtype]]:
         """The host half of the next step of group ``index``, for a CUDA graph's replay: yields
@@ -87,20 +106,21 @@ class GroupStepOptimizer(Optimizer):
         self._graph_scalars = None
 
     @contextlib.contextmanager
-    def graph_mode(self, go: torch.Tensor | None = None):
+    def graph_mode(self, go: torch.Tensor | None = None, lanes=None):
         """Steps inside read the scalars of the last ``prepare_graph_step`` and advance no host
         counter: what a CUDA graph captures (a step outside is the ordinary eager step). ``go``:
         a 0-d bool on the parameters' device; where it holds False when the step's kernels run,
-        they change no parameter and no state."""
+        they change no parameter and no state. ``lanes``: an open ``graph.StreamLanes``; each
+        param group's step then runs on the lane it assigns."""
         if self._graph_scalars is None:
             raise RuntimeError("graph_mode() needs a prepare_graph_step() first")
         if go is not None and (go.dtype != torch.bool or go.numel() != 1):
             raise TypeError(f"graph_mode(go): a 0-d bool tensor, got {tuple(go.shape)} {go.dtype}")
-        self._in_graph, self._go = True, go
+        self._in_graph, self._go, self._lanes = True, go, lanes
         try:
             yield
         finally:
-            self._in_graph, self._go = False, None
+            self._in_graph, self._go, self._lanes = False, None, None
 
     @property
     def in_graph(self) -> bool:

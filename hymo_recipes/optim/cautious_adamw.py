@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hymo_recipes.optim._base import GroupStepOptimizer, write_if
+from hymo_recipes.optim._base import BYTES_PER_S, LAUNCH_S, GroupStepOptimizer, write_if
 from hymo_recipes.optim._dist import all_reduce_sum, local, shard_spec
 
 __all__ = ["CautiousAdamW"]
@@ -271,6 +271,12 @@ class CautiousAdamW(GroupStepOptimizer):
         index = self._group_index(group) if self.in_graph else None
         for key, params in self._batches(group["params"]).items():
             self._step_batch(group, params, beta1, beta2, None if index is None else (index, *key))
+
+    def _group_cost(self, group: dict[str, Any]) -> float:
+        # one read of parameter, gradient and both moments, one write of three: seven times
+        # the parameter's bytes; a few multi-tensor launches per (device, dtype) batch
+        nbytes = 7 * sum(local(p).numel() * local(p).element_size() for p in group["params"])
+        return nbytes / BYTES_PER_S + 10 * LAUNCH_S * len(self._batches(group["params"]))
 
     def _advance(self, group, params: list[Tensor]) -> tuple[float, float]:
         """Counts one more step for the batch (host counters) and returns its bias-correction

@@ -31,6 +31,12 @@ momenta, second moments) keeps the old value where the flag ``go`` says the step
 (``GroupStepOptimizer.graph_mode(go)``): a skipped replay runs and changes nothing; ``commit``
 advances the host counters only for a step the host found good.
 
+Streams: param groups share no parameter and no state, so with ``streams`` > 1 the step's groups
+run as parallel branches (``StreamLanes``): each group whole on one stream, the groups assigned
+greedily by an estimate of their GPU time (``_group_cost``). The largest batch of matrix
+products then runs beside the small ones, whose short launches one after the other leave most of
+the GPU idle, and beside the memory-bound passes. Each value is computed as on one stream.
+
 Limits, refused up front (hymo_recipes/titan/preflight.py): one CUDA device and one rank (the
 optimizers' collectives are not captured) and HyMo's own optimizers (torch's AdamW has no host
 half here); ``GraphedStep`` refuses them too. The static gradient buffers are a second copy of
@@ -50,14 +56,55 @@ from torch.distributed.tensor import DTensor
 from hymo_recipes.optim._base import GroupStepOptimizer
 from hymo_recipes.optim._dist import local, shard_spec
 
-__all__ = ["GraphedStep"]
+__all__ = ["GraphedStep", "StreamLanes"]
+
+
+class StreamLanes:
+    """``n`` CUDA streams that independent pieces of work are spread over: ``take(cost)`` runs its
+    body on the lane with the least estimated work so far, after everything queued on the
+    opening stream up to that point; closing joins every lane back into the opening stream.
+    Inside a CUDA graph's capture the lanes become parallel branches of the graph. A piece
+    must allocate what it uses on its lane (inside ``take``) or use tensors that outlive the
+    lanes: a temporary of the opening stream could be reused there while a lane still reads it."""
+
+    def __init__(self, device: torch.device, n: int):
+        if n < 1:
+            raise ValueError(f"StreamLanes takes at least one stream, got {n}")
+        self.device = device
+        self.streams = [torch.cuda.Stream(device) for _ in range(n)]
+        self._origin = None
+        self.load = [0.0] * n
+
+    @contextlib.contextmanager
+    def open(self):
+        if self._origin is not None:
+            raise RuntimeError("StreamLanes.open: already open")
+        self._origin = torch.cuda.current_stream(self.device)
+        self.load = [0.0] * len(self.streams)
+        try:
+            yield self
+        finally:
+            origin, self._origin = self._origin, None
+            for s in self.streams:
+                origin.wait_stream(s)
+
+    @contextlib.contextmanager
+    def take(self, cost: float):
+        if self._origin is None:
+            raise RuntimeError("StreamLanes.take outside open()")
+        i = min(range(len(self.streams)), key=self.load.__getitem__)
+        self.load[i] += cost
+        lane = self.streams[i]
+        lane.wait_stream(self._origin)
+        with torch.cuda.stream(lane):
+            yield
 
 
 class GraphedStep:
     """Runs ``step()`` of ``optimizers`` (HyMo's GroupStepOptimizers, every parameter on one CUDA
     device) through one captured CUDA graph after ``warmup_steps`` eager steps."""
 
-    def __init__(self, optimizers: list[GroupStepOptimizer], warmup_steps: int = 1):
+    def __init__(self, optimizers: list[GroupStepOptimizer], warmup_steps: int = 1, streams: int = 1):
         bad = [type(o).__name__ for o in optimizers if not isinstance(o, GroupStepOptimizer)]
         if bad:
             raise ValueError(f"a CUDA graph of the optimizer step takes HyMo's NorMuon and CautiousAdamW, not {bad}")
@@ -69,6 +116,10 @@ class GraphedStep:
         if any(shard_spec(p).sharded for p in self.params):
             raise ValueError("a CUDA graph of the optimizer step takes parameters sharded over one rank at most")
         self.warmup_steps = warmup_steps
+        if streams < 1:
+            raise ValueError(f"a CUDA graph of the optimizer step runs on one stream or more, got {streams}")
+        self.streams = streams
+        self._lanes = None
         self.captures = 0  # how many times a graph was captured (a test reads it)
         # the device is checked at the first step, not here: a run that builds the optimizers and
         # never steps them (TorchTitan's seed checkpoint, on the CPU) must not be refused
@@ -82,6 +133,8 @@ class GraphedStep:
                              f"got {sorted(str(d) for d in devices)}")
         self.device = next(iter(devices))
         self._stream = torch.cuda.Stream(self.device)
+        if self.streams > 1:
+            self._lanes = StreamLanes(self.device, self.streams)
 
     def reset(self) -> None:
         """Drop the graph (the optimizer state tensors were replaced, e.g. by a checkpoint load):
@@ -164,8 +217,9 @@ class GraphedStep:
 
     def _step_in_graph_mode(self) -> None:
         with contextlib.ExitStack() as modes:
+            lanes = None if self._lanes is None else modes.enter_context(self._lanes.open())
             for o in self.optimizers:
-                modes.enter_context(o.graph_mode(self._flag()))
+                modes.enter_context(o.graph_mode(self._flag(), lanes))
             for o in self.optimizers:
                 o.step()
 

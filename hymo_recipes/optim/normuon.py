@@ -47,7 +47,7 @@ from torch import Tensor
 
 import hymo_kernels.normuon.fused as normuon_kernels
 import hymo_kernels.normuon.ns as ns_kernels
-from hymo_recipes.optim._base import GroupStepOptimizer, write_if
+from hymo_recipes.optim._base import BYTES_PER_S, GEMM_FLOPS_PER_S, LAUNCH_S, GroupStepOptimizer, write_if
 from hymo_recipes.optim._dist import (
     all_reduce_sum,
     local,
@@ -459,6 +459,23 @@ class NorMuon(GroupStepOptimizer):
                 )
                 write_if(self.go, [ws[i] for i in b.idxs[mem]], b.unstack(W, mem))
             Os[n] = stats[n] = O = None
+
+    def _group_cost(self, group: dict[str, Any]) -> float:
+        # per matrix [m, k] (s = min, l = max): each iteration step's three products,
+        # 4·s²·l + 2·s³ FLOPs; ~30 bytes per element in the passes around them; per shape, the
+        # step's launches one after the other
+        steps = group["ns_steps"]
+        flops = nbytes = 0.0
+        shapes = set()
+        for p in group["params"]:
+            w = local(p)
+            m, k = w.shape[-2:]
+            count = w.numel() // max(1, m * k)
+            s, l = min(m, k), max(m, k)
+            flops += steps * count * (4 * s * s * l + 2 * s**3)
+            nbytes += 30 * w.numel()
+            shapes.add((m, k))
+        return flops / GEMM_FLOPS_PER_S + nbytes / BYTES_PER_S + len(shapes) * (3 * steps + 4) * LAUNCH_S
 
     def _local_lists(self, params: list[Tensor]) -> tuple[list[Tensor], ...]:
         """Momentum buffers, gradients (their own dtype; zeros for a parameter without one),

@@ -191,6 +191,11 @@ class Optimizer:
     (hymo_recipes/optim/graph.py, BENCHMARKS.md). One CUDA GPU and one rank, HyMo's optimizers
     (not name = "AdamW"), compiled or not; it keeps a copy of the gradients (4 bytes per
     parameter) and the step's temporaries allocated."""
+    cuda_graph_streams: int = 1
+    """With cuda_graph: the CUDA streams the captured step spreads its param groups over, each
+    group whole on one stream (the large expert matrices' orthogonalisation beside the small
+    matrices' and the element-wise passes; hymo_recipes/optim/graph.py). 1: one after the other.
+    Each value is computed as on one stream."""
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""

@@ -82,6 +82,9 @@ class HymoOptimizersContainer(OptimizersContainer):
             has long landed, so a step between logging steps does not wait for the GPU. Until
             then ``verdict_pending`` holds, the schedule's step waits and the MoE update follows
             ``pending_go``. Default: ``False``.
+        cuda_graph_streams (int):
+            With ``cuda_graph``: the CUDA streams the captured step spreads its param groups
+            over (``graph.StreamLanes``; ``[optimizer] cuda_graph_streams``). Default: ``1``.
 
     ``optimizers`` lists them part by part; ``optimizer_names[i]`` and ``optimizer_parts[i]``
     say which name and part ``optimizers[i]`` belongs to. ``step``/``zero_grad`` run every
@@ -96,6 +99,7 @@ class HymoOptimizersContainer(OptimizersContainer):
         build_part: Callable[[nn.Module], dict[str, Optimizer]],
         nan_guard: NonFiniteGuard | None = None,
         cuda_graph: bool = False,
+        cuda_graph_streams: int = 1,
     ) -> None:
         # Not OptimizersContainer.__init__: it builds exactly one optimizer per part.
         self.model_parts = model_parts
@@ -114,7 +118,7 @@ class HymoOptimizersContainer(OptimizersContainer):
         self.nan_guard = nan_guard
         self.last_step_skipped = False
         self.step_timer = StepTimer(all_params[0].device)
-        self.graphed = GraphedStep(self.optimizers) if cuda_graph else None
+        self.graphed = GraphedStep(self.optimizers, streams=cuda_graph_streams) if cuda_graph else None
         # a replayed step whose verdict the host has not read yet: (read, step number, go)
         self._unread: tuple[Callable[[], torch.Tensor], int, torch.Tensor] | None = None
         self._verdict_listeners: list[Callable[[bool], None]] = []
@@ -557,6 +561,7 @@ def build_hymo_optimizers(
     return HymoOptimizersContainer(
         model_parts, lambda part: optimizers_for_part(part, optimizer_config), guard,
         cuda_graph=getattr(optimizer_config, "cuda_graph", False),
+        cuda_graph_streams=getattr(optimizer_config, "cuda_graph_streams", 1),
     )
 
 

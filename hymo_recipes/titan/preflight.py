@@ -115,6 +115,10 @@ def check_optimizer_graph(cfg, *, installed: bool = True, processes: int | None 
     """[optimizer] cuda_graph's limits (hymo_recipes/optim/graph.py), in one line each; ``installed``:
     also whether this machine has a CUDA GPU; ``processes``: the run's process count (default
     WORLD_SIZE); ``cpu_offload``: training.enable_cpu_offload (parameters on the CPU)."""
+    streams = getattr(cfg, "cuda_graph_streams", 1)
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"optimizer.cuda_graph_streams must be an integer >= 1 (1: the captured step on one stream), "
+                         f"got {streams!r}")
     if not getattr(cfg, "cuda_graph", False):
         return
     if cfg.name == "AdamW":

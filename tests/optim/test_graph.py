@@ -2,6 +2,7 @@
 order (stand-ins for the stream and the graph) on the CPU, the graph against the eager step on a
 GPU, and the refusals."""
 
+import contextlib
 import os
 import sys
 
@@ -157,6 +158,67 @@ def test_graph_mode_step_reads_the_prepared_lr():
     assert 0 < moved < 1.0
 
 
+class _RecordingLanes:
+    """A stand-in for graph.StreamLanes on the CPU: records the cost of each piece and which
+    group ran inside it."""
+
+    def __init__(self):
+        self.pieces, self.inside = [], None
+
+    @contextlib.contextmanager
+    def take(self, cost):
+        self.pieces.append([cost, 0])
+        self.inside = self.pieces[-1]
+        try:
+            yield
+        finally:
+            self.inside = None
+
+
+def test_graph_mode_with_lanes_steps_each_group_inside_one_piece():
+    """With lanes, every non-empty param group's step runs whole inside one ``take`` (the groups
+    are what the streams run side by side), with a positive cost estimate; the update is the one
+    without lanes, bit for bit."""
+    plain, laned = make_model(), make_model()
+    lanes = _RecordingLanes()
+    for model, use in ((plain, None), (laned, lanes)):
+        opts, _ = build(model, normuon_fused=False)
+        loss_fn(model, batch(1)).backward()
+        for o in opts.optimizers:
+            o.prepare_graph_step()
+            if use is not None:
+                real = o._step_group
+
+                def counted(group, real=real):
+                    assert lanes.inside is not None, "a group's step ran outside a lane"
+                    lanes.inside[1] += 1
+                    real(group)
+
+                o._step_group = counted
+            with o.graph_mode(None, use):
+                o.step()
+    groups = sum(1 for o in opts.optimizers for g in o.param_groups if g["params"])
+    assert len(lanes.pieces) == groups and all(n == 1 for _, n in lanes.pieces)
+    assert all(cost > 0 for cost, _ in lanes.pieces)
+    for (name, p), q in zip(plain.named_parameters(), laned.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_group_cost_grows_with_the_work():
+    """The lanes' balance: a group of more or larger matrices is estimated dearer, for NorMuon and
+    for CautiousAdamW; per added element NorMuon's (the orthogonalisation's products) is dearer."""
+    from hymo_recipes.optim.cautious_adamw import CautiousAdamW
+    from hymo_recipes.optim.normuon import NorMuon
+
+    shapes = [(64, 128), (4, 512, 896), (8, 512, 896)]
+    mu = NorMuon([{"params": [torch.nn.Parameter(torch.zeros(s))]} for s in shapes], lr=0.01)
+    ad = CautiousAdamW([{"params": [torch.nn.Parameter(torch.zeros(s))]} for s in shapes], lr=0.01)
+    c = [mu._group_cost(g) for g in mu.param_groups]
+    a = [ad._group_cost(g) for g in ad.param_groups]
+    assert c[0] < c[1] < c[2] and a[0] < a[1] < a[2]
+    assert c[2] - c[1] > 3 * (a[2] - a[1])
+
+
 def test_graphed_step_refuses_the_cpu_and_other_optimizers():
     model = make_model()
     opts, _ = build(model)
@@ -165,6 +227,8 @@ def test_graphed_step_refuses_the_cpu_and_other_optimizers():
         graphed.step()
     with pytest.raises(ValueError, match=r"takes HyMo's NorMuon and CautiousAdamW, not \['AdamW'\]"):
         GraphedStep([torch.optim.AdamW(model.parameters())])
+    with pytest.raises(ValueError, match=r"one stream or more, got 0"):
+        GraphedStep(opts.optimizers, streams=0)
 
 
 class _ReplayedEagerly(GraphedStep):
@@ -250,20 +314,24 @@ def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True, "fused"], ids=["eager", "compiled", "fused"])
-def test_gpu_graphed_container_equals_the_eager_one(compiled):
+@pytest.mark.parametrize("compiled,streams", [(False, 1), (True, 1), ("fused", 1), ("fused", 3)],
+                         ids=["eager", "compiled", "fused", "fused_3_streams"])
+def test_gpu_graphed_container_equals_the_eager_one(compiled, streams):
     """The container with cuda_graph on, against the same run without: a warm-up step, the capture,
     replays through a schedule whose lr changes each step, a parameter without a gradient, a state
     load in the middle (the graph is dropped and captured again) and a step the NaN guard skips
     after its gradients were staged into the graph's buffers (the next step stages its own). ``compiled``: both
     optimizers' maths under torch.compile, compiled in the warm-up for the graph's device scalars
     (a compile inside the capture would fail it). ``"fused"``: NorMuon's fused kernels, whose
-    address tables are built before the capture, for the graph's static gradients."""
-    kw = (dict(normuon_fused=True) if compiled == "fused"
+    address tables are built before the capture, for the graph's static gradients; with
+    ``streams`` 3 (and CautiousAdamW compiled, as hymo_small runs) the param groups' steps are
+    parallel branches of the graph."""
+    kw = (dict(normuon_fused=True, adamw_compiled=streams > 1) if compiled == "fused"
           else dict(normuon_compiled=compiled, adamw_compiled=compiled))
     eager, graphed = make_model().cuda(), make_model().cuda()
     opts_e, scheds_e = build(eager, **kw)
-    opts_g, scheds_g = build(graphed, cuda_graph=True, **kw)
+    opts_g, scheds_g = build(graphed, cuda_graph=True, cuda_graph_streams=streams, **kw)
+    assert opts_g.graphed.streams == streams
     assert opts_g.graphed is not None and opts_e.graphed is None
     losses_e = train_steps(eager, opts_e, scheds_e, range(1, 5))
     # a run compiles for one kind of scalars (the eager step's floats or the graph's device

@@ -119,6 +119,9 @@ def test_optimizer_cuda_graph_is_checked_before_the_trainer(monkeypatch):
     preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "normuon_compiled": True}), installed=False)
     with pytest.raises(ValueError, match="enable_cpu_offload keeps the parameters on the CPU"):
         preflight.check_optimizer_graph(ok, installed=False, cpu_offload=True)
+    preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "cuda_graph_streams": 3}), installed=False)
+    with pytest.raises(SystemExit, match=r"cuda_graph_streams must be an integer >= 1 .*got 0"):
+        parse_config(DEBUG + ["--optimizer.cuda_graph_streams", "0"])
     with pytest.raises(ValueError, match="runs on one rank only .*this run has 4"):
         preflight.check_optimizer_graph(ok, installed=False, processes=4)
     monkeypatch.setenv("WORLD_SIZE", "2")
