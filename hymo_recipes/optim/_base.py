@@ -45,13 +45,17 @@ class GroupStepOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            if group["params"]:
-                if self._lanes is None:
-                    self._step_group(group)
-                else:
-                    with self._lanes.take(self._group_cost(group)):
-                        self._step_group(group)
+        groups = [g for g in self.param_groups if g["params"]]
+        if self._lanes is None:
+            for group in groups:
+                self._step_group(group)
+            return loss
+        # dearest first (the groups are independent, so their order changes no value): the
+        # greedy assignment then balances the lanes better
+        for cost, n, group in sorted(((self._group_cost(g), n, g) for n, g in enumerate(groups)),
+                                     key=lambda t: (-t[0], t[1])):
+            with self._lanes.take(cost):
+                self._step_group(group)
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
@@ -97,9 +101,17 @@ class GroupStepOptimizer(Optimizer):
             if group["params"]:
                 self._commit_host_step(index, group)
 
+    def grads_by_address(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the step reads through device tables of addresses that
+        ``prepare_capture`` rewrites, rather than at fixed addresses: a CUDA graph of the step
+        then reads each step's gradients where they are (none by default)."""
+        return []
+
     def prepare_capture(self) -> None:
-        """Right before the capture, with ``p.grad`` the graph's static buffers: whatever the step
-        would otherwise set up on the device from the host inside the capture (none by default)."""
+        """Right before the capture, with ``p.grad`` the graph's static buffers (or, for
+        ``grads_by_address``, the step's own gradients), and again before each replay: whatever
+        the step would otherwise set up on the device from the host inside the capture (none by
+        default)."""
 
     def end_graph(self) -> None:
         """Forget the device scalars (the graph was dropped, e.g. after a checkpoint load)."""

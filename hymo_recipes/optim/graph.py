@@ -11,17 +11,20 @@ the NaN guard's verdict, so that it overlaps the backward still running on the G
 optimizer's ``prepare_graph_step`` computes the scalars of the step about to run (the scheduled
 lr, CautiousAdamW's bias corrections) into 0-d device tensors, advancing no host counter, and,
 after the warm-up, the gradients are copied into static buffers (one multi-tensor copy; a
-parameter without a gradient gets zeros, as the eager step gives it). A step the guard skips
-thus changes nothing. The first ``warmup_steps`` steps run eagerly on a side stream, reading
-those tensors as the capture will (torch.compile compiles the optimizers' compiled maths for
-them here, since no compile can run inside a capture; the libraries' workspaces are set up on
-the capture's stream). After that, the first time, the optimizers' steps are captured with the
-parameters' ``.grad`` pointing at the static buffers; then the graph is replayed (``launch``).
-After a warm-up step, or once the host knows a replayed step was good (``commit``),
-``commit_graph_step`` advances the host counters (CautiousAdamW's step counts). Parameters and
-optimizer states are updated in place, so their addresses stay the graph's; the scalars are the
-eager step's values, so the updates are the eager step's (a CPU test checks the host half, a GPU
-test the graph).
+parameter without a gradient gets zeros, as the eager step gives it), except those an optimizer
+reads through device tables of addresses (``grads_by_address``: NorMuon's fused kernels), whose
+tables are pointed at the step's own gradients instead (``prepare_capture``, rewriting a table
+in place where an address changed): no copy of them is made or kept. A step the guard skips thus
+changes nothing. The first ``warmup_steps`` steps run eagerly on a side stream, reading those
+tensors as the capture will (torch.compile compiles the optimizers' compiled maths for them
+here, since no compile can run inside a capture; the libraries' workspaces are set up on the
+capture's stream). After that, the first time, the optimizers' steps are captured with the
+parameters' ``.grad`` pointing at the static buffers (or the gradients read by address); then
+the graph is replayed (``launch``). After a warm-up step, or once the host knows a replayed step
+was good (``commit``), ``commit_graph_step`` advances the host counters (CautiousAdamW's step
+counts). Parameters and optimizer states are updated in place, so their addresses stay the
+graph's; the scalars are the eager step's values, so the updates are the eager step's (a CPU
+test checks the host half, a GPU test the graph).
 
 The skip decided on the device: after the warm-up, the optimizers' container launches the
 replay right behind the NaN guard's device-side verdict (``launch(go)``) and reads the verdict
@@ -33,16 +36,20 @@ advances the host counters only for a step the host found good.
 
 Streams: param groups share no parameter and no state, so with ``streams`` > 1 the step's groups
 run as parallel branches (``StreamLanes``): each group whole on one stream, the groups assigned
-greedily by an estimate of their GPU time (``_group_cost``). The largest batch of matrix
-products then runs beside the small ones, whose short launches one after the other leave most of
-the GPU idle, and beside the memory-bound passes. Each value is computed as on one stream.
+greedily, dearest first within each optimizer, by an estimate of their GPU time
+(``_group_cost``). With the MoE on NorMuon the expert matrices are a group of their own, so
+their orthogonalisation runs beside the small matrices' short launches, which leave most of the
+GPU idle one after the other, and beside the memory-bound passes. The kernels are the ones a
+single stream runs. The price is memory: the caching allocator, the graph's pool included,
+reuses a freed block only on its own stream, and groups running together hold their
+temporaries together.
 
 Limits, refused up front (hymo_recipes/titan/preflight.py): one CUDA device and one rank (the
 optimizers' collectives are not captured) and HyMo's own optimizers (torch's AdamW has no host
 half here); ``GraphedStep`` refuses them too. The static gradient buffers are a second copy of
-the gradients (4 bytes per fp32 parameter). After ``load_state_dict`` replaces the state tensors
-the graph is dropped (``reset``) and captured again after the warm-up. The graph's private memory
-pool keeps the step's temporaries allocated between steps.
+the gradients not read by address (4 bytes per fp32 parameter). After ``load_state_dict``
+replaces the state tensors the graph is dropped (``reset``) and captured again after the
+warm-up. The graph's private memory pool keeps the step's temporaries allocated between steps.
 """
 
 from __future__ import annotations
@@ -61,11 +68,15 @@ __all__ = ["GraphedStep", "StreamLanes"]
 
 class StreamLanes:
     """``n`` CUDA streams that independent pieces of work are spread over: ``take(cost)`` runs its
-    body on the lane with the least estimated work so far, after everything queued on the
-    opening stream up to that point; closing joins every lane back into the opening stream.
-    Inside a CUDA graph's capture the lanes become parallel branches of the graph. A piece
-    must allocate what it uses on its lane (inside ``take``) or use tensors that outlive the
-    lanes: a temporary of the opening stream could be reused there while a lane still reads it."""
+    body on the lane with the least estimated work so far (the first such lane), after
+    everything queued on the opening stream up to that point; closing joins the lanes that ran
+    something back into the opening stream (a lane that never forked from a capturing stream
+    must not be joined into it). Inside a CUDA graph's capture the lanes become parallel
+    branches of the graph. A piece must allocate what it uses on its lane (inside ``take``) or
+    use tensors that outlive the lanes: a temporary of the opening stream could be reused there
+    while a lane still reads it. The assignment depends only on the costs in their order, so a
+    warm-up and the capture after it put each piece on the same lane (and the libraries'
+    per-stream workspaces the warm-up set up are the capture's)."""
 
     def __init__(self, device: torch.device, n: int):
         if n < 1:
@@ -74,6 +85,7 @@ class StreamLanes:
         self.streams = [torch.cuda.Stream(device) for _ in range(n)]
         self._origin = None
         self.load = [0.0] * n
+        self.used: list[int] = []  # the lanes the last open() ran something on, in first-use order
 
     @contextlib.contextmanager
     def open(self):
@@ -81,12 +93,13 @@ class StreamLanes:
             raise RuntimeError("StreamLanes.open: already open")
         self._origin = torch.cuda.current_stream(self.device)
         self.load = [0.0] * len(self.streams)
+        self.used = []
         try:
             yield self
         finally:
             origin, self._origin = self._origin, None
-            for s in self.streams:
-                origin.wait_stream(s)
+            for i in self.used:
+                origin.wait_stream(self.streams[i])
 
     @contextlib.contextmanager
     def take(self, cost: float):
@@ -96,6 +109,8 @@ class StreamLanes:
         self.load[i] += cost
         lane = self.streams[i]
         lane.wait_stream(self._origin)
+        if i not in self.used:
+            self.used.append(i)
         with torch.cuda.stream(lane):
             yield
 
@@ -116,10 +131,15 @@ class GraphedStep:
         if any(shard_spec(p).sharded for p in self.params):
             raise ValueError("a CUDA graph of the optimizer step takes parameters sharded over one rank at most")
         self.warmup_steps = warmup_steps
-        if streams < 1:
-            raise ValueError(f"a CUDA graph of the optimizer step runs on one stream or more, got {streams}")
+        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"a CUDA graph of the optimizer step runs on one stream or more, got {streams!r}")
         self.streams = streams
         self._lanes = None
+        # the parameters (indices into params) whose gradients the step reads by address: no
+        # static copy for them; a zero gradient kept for those without one
+        by_address = {id(p) for o in self.optimizers for p in o.grads_by_address()}
+        self._by_address = {i for i, p in enumerate(self.params) if id(p) in by_address}
+        self._zeros: dict[int, torch.Tensor] = {}
         self.captures = 0  # how many times a graph was captured (a test reads it)
         # the device is checked at the first step, not here: a run that builds the optimizers and
         # never steps them (TorchTitan's seed checkpoint, on the CPU) must not be refused
@@ -141,6 +161,7 @@ class GraphedStep:
         the next ``warmup_steps`` steps run eagerly, then the step is captured anew."""
         self._graph = None
         self._static = None
+        self._seen: dict[int, tuple] = {}  # (shape, dtype) of each gradient read by address
         self._go = None  # the device flag the step's state writes follow (launch)
         self._eager_left = self.warmup_steps
         for o in self.optimizers:
@@ -162,8 +183,10 @@ class GraphedStep:
             return
         grads = [p.grad for p in self.params]
         if self._graph is None:  # until the capture, the buffers follow this step's gradients
-            self._static = [torch.zeros_like(local(p) if g is None else local(g)) for p, g in zip(self.params, grads)]
+            self._static = [None if i in self._by_address else torch.zeros_like(local(p) if g is None else local(g))
+                            for i, (p, g) in enumerate(zip(self.params, grads))]
         self._load_grads(grads)
+        self._point_tables(grads)
 
     @torch.no_grad()
     def step(self, staged: bool = False) -> None:
@@ -233,6 +256,8 @@ class GraphedStep:
     def _load_grads(self, grads) -> None:
         dst, src, zero = [], [], []
         for s, g in zip(self._static, grads):
+            if s is None:  # read where it is (grads_by_address)
+                continue
             if g is None:
                 zero.append(s)
                 continue
@@ -247,12 +272,52 @@ class GraphedStep:
         if zero:
             torch._foreach_zero_(zero)
 
-    def _capture(self, grads) -> None:
-        # the optimizers read p.grad while they are captured: the static buffers, wrapped like p
-        for p, s in zip(self.params, self._static):
+    def _graph_grads(self, grads) -> list[torch.Tensor]:
+        """What the graph reads as each parameter's gradient: its static buffer, or, read by
+        address, the step's own gradient (a zero tensor kept for the graph where there is none)."""
+        out = []
+        for i, (p, s, g) in enumerate(zip(self.params, self._static, grads)):
+            if s is None:
+                if g is None:
+                    s = self._zeros.get(i)
+                    if s is None:
+                        s = self._zeros[i] = torch.zeros_like(local(p))
+                else:
+                    s = local(g)
+                seen = self._seen.setdefault(i, (s.shape, s.dtype))
+                if seen != (s.shape, s.dtype):  # the captured kernels are specialised to it
+                    raise RuntimeError(f"a gradient changed from {tuple(seen[0])} {seen[1]} to {tuple(s.shape)} "
+                                       f"{s.dtype} between CUDA-graphed optimizer steps")
+            out.append(s)
+        return out
+
+    @contextlib.contextmanager
+    def _grads_as(self, tensors):
+        """``p.grad`` of every parameter set to ``tensors`` (wrapped like p) inside, restored after."""
+        saved = [p.grad for p in self.params]
+        for p, s in zip(self.params, tensors):
             p.grad = (DTensor.from_local(s, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                          stride=p.stride()) if isinstance(p, DTensor) else s)
         try:
+            yield
+        finally:
+            for p, g in zip(self.params, saved):
+                p.grad = g
+
+    def _point_tables(self, grads) -> None:
+        """The address tables of the gradients read by address, pointed at this step's (rewritten
+        in place where an address changed: the captured graph reads the tables)."""
+        if not self._by_address:
+            return
+        with self._grads_as(self._graph_grads(grads)):
+            for o in self.optimizers:
+                if o.grads_by_address():
+                    o.prepare_capture()
+
+    def _capture(self, grads) -> None:
+        # the optimizers read p.grad while they are captured: the static buffers, or for those
+        # read by address this step's gradients, wrapped like p
+        with self._grads_as(self._graph_grads(grads)):
             for o in self.optimizers:
                 o.prepare_capture()
             torch.cuda.synchronize(self.device)
@@ -260,8 +325,5 @@ class GraphedStep:
             # thread_local: the data prefetch thread keeps copying batches while the step is captured
             with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 self._step_in_graph_mode()
-        finally:
-            for p, g in zip(self.params, grads):
-                p.grad = g
         self._graph = graph
         self.captures += 1

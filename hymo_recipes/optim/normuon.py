@@ -462,8 +462,8 @@ class NorMuon(GroupStepOptimizer):
 
     def _group_cost(self, group: dict[str, Any]) -> float:
         # per matrix [m, k] (s = min, l = max): each iteration step's three products,
-        # 4·s²·l + 2·s³ FLOPs; ~30 bytes per element in the passes around them; per shape, the
-        # step's launches one after the other
+        # 4·s²·l + 2·s³ FLOPs (at an eighth of the rate in fp32 or fp64); ~30 bytes per element
+        # in the passes around them; per shape, the step's launches one after the other
         steps = group["ns_steps"]
         flops = nbytes = 0.0
         shapes = set()
@@ -475,7 +475,8 @@ class NorMuon(GroupStepOptimizer):
             flops += steps * count * (4 * s * s * l + 2 * s**3)
             nbytes += 30 * w.numel()
             shapes.add((m, k))
-        return flops / GEMM_FLOPS_PER_S + nbytes / BYTES_PER_S + len(shapes) * (3 * steps + 4) * LAUNCH_S
+        rate = GEMM_FLOPS_PER_S if group["ortho_dtype"] in ("bfloat16", "float16") else GEMM_FLOPS_PER_S / 8
+        return flops / rate + nbytes / BYTES_PER_S + len(shapes) * (3 * steps + 4) * LAUNCH_S
 
     def _local_lists(self, params: list[Tensor]) -> tuple[list[Tensor], ...]:
         """Momentum buffers, gradients (their own dtype; zeros for a parameter without one),
@@ -540,13 +541,24 @@ class NorMuon(GroupStepOptimizer):
                 if members[0].is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("NorMuon(fused=True): an address table was not built before the CUDA graph's "
                                        "capture (GraphedStep calls prepare_capture first)")
-                hit = self._tables[key] = (ptrs, normuon_kernels.address_table(members, m, k, members[0].device))
+                # Same members and dtypes at other addresses (the gradients of a new step): the
+                # table is rewritten in place, so that a captured step reads them through it.
+                same = hit is not None and [d for _, d in hit[0]] == [d for _, d in ptrs]
+                table = normuon_kernels.address_table(members, m, k, members[0].device, out=hit[1] if same else None)
+                hit = self._tables[key] = (ptrs, table)
             out.append(hit[1])
         return out
 
+    def grads_by_address(self) -> list[Tensor]:
+        """The fused kernels read every gradient through an address table (``prepare_capture``
+        points it at the step's gradients), so a CUDA graph of the step needs no static copy
+        of them."""
+        return [p for g in self.param_groups for p in g["params"]] if self._fused else []
+
     def prepare_capture(self) -> None:
-        """Before a CUDA graph captures the step (``p.grad`` already the graph's static buffers):
-        the fused kernels' address tables for them, built outside the capture."""
+        """Before a CUDA graph captures the step, and before each replay (``p.grad`` the tensors
+        the step is to read): the fused kernels' address tables for them, built outside the
+        capture, rewritten in place when an address changed."""
         if not self._fused:
             return
         for group in self.param_groups:

@@ -9,17 +9,17 @@ builds the optimizers on it (the partition: tensors and parameters per optimizer
 memory estimate per GPU under FSDP2 at the run's process count: parameters, gradients and
 optimizer states, sharded over the data-parallel ranks, plus the gathered parameters: two blocks
 when FSDP reshards after the forward, every block when it does not (one rank, by default), and
-with ``optimizer.cuda_graph`` its static copy of the gradients (not its pool of temporaries); and
-the activations (``activation_bytes``): what eager autograd saves for the backward, measured by
-running one block of each kind, and the final norm, MTP heads, tied head and loss, on meta
-tensors of the run's [local_batch_size, seq_len] in training.mixed_precision_param, under
-``saved_tensors_hooks``, times the blocks of that kind, as activation checkpointing leaves it.
-torch.compile's partitioner may save less or more than eager autograd, and the peak also holds
-transient buffers (kernel workspaces, the logits' gradients, the block being recomputed's
-temporaries, the allocator's fragmentation): BENCHMARKS.md measures the peaks. Not checked,
-being properties of the machine that runs: whether it can run the GDN backend and compile it. No
-step runs and nothing is written; meta tensors hold no memory, so hymo_750m checks on a small
-CPU machine.
+with ``optimizer.cuda_graph`` its static copy of the gradients not read by address (not its pool
+of temporaries); and the activations (``activation_bytes``): what eager autograd saves for the
+backward, measured by running one block of each kind, and the final norm, MTP heads, tied head
+and loss, on meta tensors of the run's [local_batch_size, seq_len] in
+training.mixed_precision_param, under ``saved_tensors_hooks``, times the blocks of that kind, as
+activation checkpointing leaves it. torch.compile's partitioner may save less or more than eager
+autograd, and the peak also holds transient buffers (kernel workspaces, the logits' gradients,
+the block being recomputed's temporaries, the allocator's fragmentation): BENCHMARKS.md measures
+the peaks. Not checked, being properties of the machine that runs: whether it can run the GDN
+backend and compile it. No step runs and nothing is written; meta tensors hold no memory, so
+hymo_750m checks on a small CPU machine.
 """
 
 from __future__ import annotations
@@ -299,8 +299,11 @@ def memory_lines(model, optimizers: dict, config, dp: int) -> list[str]:
         gather_bytes, gathers = numel * gathered, "gathered copies kept for the backward"
     # gradients summed unsharded over a step's microbatches (fsdp_sync_once_per_step), in the reduction dtype
     sums = numel * TORCH_DTYPE_MAP[config.training.mixed_precision_reduce].itemsize if sync_once else 0
-    # optimizer.cuda_graph (one rank) replays the step from a static copy of the gradients
-    graph = p_bytes / dp if getattr(getattr(config, "optimizer", None), "cuda_graph", False) else 0
+    # optimizer.cuda_graph (one rank) replays the step from a static copy of the gradients, but
+    # for those an optimizer reads by address (NorMuon's fused kernels)
+    by_address = {id(p) for opt in optimizers.values() for p in getattr(opt, "grads_by_address", list)()}
+    graph = (_tensor_bytes([p for p in params if id(p) not in by_address]) / dp
+             if getattr(getattr(config, "optimizer", None), "cuda_graph", False) else 0)
     total = (2 * p_bytes + o_bytes) / dp + gather_bytes + sums + graph
     t = config.training
     act = activation_bytes(model, config)

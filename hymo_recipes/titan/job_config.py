@@ -193,9 +193,10 @@ class Optimizer:
     parameter) and the step's temporaries allocated."""
     cuda_graph_streams: int = 1
     """With cuda_graph: the CUDA streams the captured step spreads its param groups over, each
-    group whole on one stream (the large expert matrices' orthogonalisation beside the small
-    matrices' and the element-wise passes; hymo_recipes/optim/graph.py). 1: one after the other.
-    Each value is computed as on one stream."""
+    group whole on one stream (the expert matrices' orthogonalisation beside the small
+    matrices' and the element-wise passes; hymo_recipes/optim/graph.py); the kernels are those
+    of one stream. It costs memory: the groups running together hold their temporaries
+    together, each stream in its own blocks. 1: one after the other."""
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""

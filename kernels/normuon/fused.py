@@ -142,9 +142,12 @@ def _check(name: str, device: torch.device) -> None:
         raise RuntimeError(f"hymo_kernels.normuon.{name} {why}")
 
 
-def address_table(members: list[torch.Tensor], m: int, k: int, device: torch.device) -> torch.Tensor:
+def address_table(members: list[torch.Tensor], m: int, k: int, device: torch.device,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """[B] int64 on ``device``: the address of every [m, k] matrix of the members (an [c, m, k]
-    member gives c), in member order. Each member must be contiguous."""
+    member gives c), in member order. Each member must be contiguous. ``out``: an earlier table
+    of the same length, rewritten in place (a CUDA graph that reads it then reads the new
+    addresses) and returned."""
     ptrs = []
     for t in members:
         if not t.is_contiguous():
@@ -154,7 +157,12 @@ def address_table(members: list[torch.Tensor], m: int, k: int, device: torch.dev
         step = m * k * t.element_size()
         ptrs += [t.data_ptr() + j * step for j in range(t.numel() // (m * k))]
     host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+    if out is None:
+        return host.to(device, non_blocking=True)
+    if out.shape != host.shape or out.dtype != torch.int64 or out.device != device:
+        raise ValueError(f"hymo_kernels.normuon: a table of {len(ptrs)} addresses on {device} cannot be rewritten into "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out.copy_(host, non_blocking=True)
 
 
 def _reached(tensors):

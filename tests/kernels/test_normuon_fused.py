@@ -176,6 +176,13 @@ def test_bad_inputs_are_refused_in_one_line():
         fused.address_table([torch.zeros(6, 4, device=DEV).t()], 4, 6, X.device)
     with pytest.raises(ValueError, match=r"not \[\.\., 4, 6\]"):
         fused.address_table([torch.zeros(5, 6, device=DEV)], 4, 6, X.device)
+    members = [torch.zeros(2, 4, 6, device=DEV), torch.zeros(4, 6, device=DEV)]
+    table = fused.address_table(members, 4, 6, X.device)
+    moved = [m.clone() for m in members]
+    assert fused.address_table(moved, 4, 6, X.device, out=table) is table  # rewritten in place
+    assert table.tolist() == [moved[0].data_ptr(), moved[0].data_ptr() + 96, moved[1].data_ptr()]
+    with pytest.raises(ValueError, match="table of 1 addresses .* cannot be rewritten into \\(3,\\)"):
+        fused.address_table(moved[1:], 4, 6, X.device, out=table)
     with pytest.raises(ValueError, match="contiguous \\[B, rows, cols\\]"):
         fused.row_sumsq(X.transpose(1, 2), False)
     with pytest.raises(TypeError, match="0-d fp32"):

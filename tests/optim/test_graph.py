@@ -204,6 +204,73 @@ def test_graph_mode_with_lanes_steps_each_group_inside_one_piece():
         assert torch.equal(p, q), name
 
 
+class _FakeStream:
+    """A CUDA stream stand-in that logs the waits between streams and which stream is current."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append((self.name, other.name))
+
+
+def _fake_cuda_streams(monkeypatch):
+    """torch.cuda's Stream, current_stream and stream as graph.py calls them, on the CPU."""
+    import hymo_recipes.optim.graph as graph_mod
+
+    log, current, made = [], [], []
+
+    def new_stream(device):
+        made.append(_FakeStream(log, f"lane{len(made)}"))
+        return made[-1]
+
+    @contextlib.contextmanager
+    def use(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    origin = _FakeStream(log, "origin")
+    monkeypatch.setattr(graph_mod.torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(graph_mod.torch.cuda, "current_stream", lambda device=None: current[-1] if current else origin)
+    monkeypatch.setattr(graph_mod.torch.cuda, "stream", use)
+    return log, current
+
+
+def test_stream_lanes_fork_before_each_piece_and_join_only_the_lanes_used(monkeypatch):
+    """Each piece runs on the least-loaded lane after waiting for the opening stream; closing
+    joins exactly the lanes that ran something (joining a lane that never forked from a
+    capturing stream would invalidate the capture), also when a piece raises; the same costs
+    give the same lanes again (the warm-up's lanes are the capture's)."""
+    from hymo_recipes.optim.graph import StreamLanes
+
+    log, current = _fake_cuda_streams(monkeypatch)
+    lanes = StreamLanes(torch.device("cpu"), 4)
+    with pytest.raises(ValueError, match="at least one stream"):
+        StreamLanes(torch.device("cpu"), 0)
+    ran = []
+    for _ in range(2):
+        log.clear()
+        with lanes.open():
+            for cost in (5.0, 1.0, 1.0):
+                with lanes.take(cost):
+                    ran.append(current[-1].name)
+        assert log == [("lane0", "origin"), ("lane1", "origin"), ("lane2", "origin"),
+                       ("origin", "lane0"), ("origin", "lane1"), ("origin", "lane2")]
+    assert ran == ["lane0", "lane1", "lane2"] * 2 and lanes.load == [5.0, 1.0, 1.0, 0.0]
+    log.clear()
+    with pytest.raises(RuntimeError, match="a piece failed"):
+        with lanes.open():
+            with lanes.take(1.0):
+                raise RuntimeError("a piece failed")
+    assert log == [("lane0", "origin"), ("origin", "lane0")] and not current
+    with pytest.raises(RuntimeError, match="outside open"):
+        with lanes.take(1.0):
+            pass
+
+
 def test_group_cost_grows_with_the_work():
     """The lanes' balance: a group of more or larger matrices is estimated dearer, for NorMuon and
     for CautiousAdamW; per added element NorMuon's (the orthogonalisation's products) is dearer."""
@@ -248,16 +315,14 @@ class _ReplayedEagerly(GraphedStep):
 
         class _Graph:
             def replay(self):
-                for p, s in zip(outer.params, outer._static):
-                    p.grad = s
-                try:
+                # what the graph reads: the static buffers, and the step's own gradients where
+                # they are read by address (their tables pointed at them by the stage)
+                with outer._grads_as(outer._graph_grads([p.grad for p in outer.params])):
                     outer._step_in_graph_mode()
-                finally:
-                    for p, g in zip(outer.params, grads):
-                        p.grad = g
 
-        for o in self.optimizers:
-            o.prepare_capture()
+        with self._grads_as(self._graph_grads(grads)):
+            for o in self.optimizers:
+                o.prepare_capture()
         self._graph = _Graph()
         self.captures += 1
 
@@ -313,9 +378,70 @@ def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(s
     assert [bool(go) for go in launches] == [s != skip for s in replayed]
 
 
+def test_fused_normuon_gradients_are_read_by_address_without_a_copy(monkeypatch):
+    """NorMuon's fused kernels read the gradients through address tables, so the graphed step
+    keeps no static copy of them: the stage points the tables at each step's own gradients,
+    rewriting the captured table tensors in place when the gradients moved (forced here: every
+    step's gradients are fresh copies while the old ones are still alive). CautiousAdamW's
+    gradients keep their copy. The updates equal the eager fused container's bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import hymo_kernels.normuon.fused as fused_kernels
+    import hymo_kernels.normuon.ns as ns_kernels
+    import hymo_kernels.normuon.ns_torch as ns_torch
+    from hymo_recipes.optim._dist import local
+
+    monkeypatch.setattr(fused_kernels, "_INTERPRET", True)
+    monkeypatch.setattr(ns_kernels, "iterate", ns_torch.iterate)  # the iteration's own tests run the kernel
+    eager, graphed = make_model(), make_model()
+    opts_e, scheds_e = build(eager, normuon_fused=True)
+    opts_g, scheds_g = build(graphed, normuon_fused=True)
+    graph = opts_g.graphed = _ReplayedEagerly(opts_g.optimizers)
+    normuon = opts_g.optimizers[0]
+    assert type(normuon).__name__ == "NorMuon" and normuon.grads_by_address()
+    by_address = {id(p) for p in normuon.grads_by_address()}
+    kept = []  # the earlier steps' gradients, alive, so that each step's land elsewhere
+    tables_checked, tables = [], {}
+    stage = graph.stage
+
+    def stage_and_check():
+        stage()
+        if graph._static is None:
+            return  # a warm-up step: no graph yet
+        for p, s in zip(graph.params, graph._static):
+            assert (s is None) == (id(p) in by_address)
+        read = dict(zip(map(id, graph.params), graph._graph_grads([p.grad for p in graph.params])))
+        for group in normuon.param_groups:
+            gs = [read[id(p)] for p in group["params"]]  # a parameter without a gradient: the kept zeros
+            for j, b in enumerate(normuon._batches(group["params"])):
+                want = [gs[i].data_ptr() + e * b.rows * b.cols * gs[i].element_size()
+                        for i in b.idxs for e in range(gs[i].numel() // (b.rows * b.cols))]
+                table = normuon._tables[(id(group), j, "g")][1]
+                assert table.tolist() == want
+                # the same tensor as at the capture: the graph reads the tensor it captured
+                assert tables.setdefault((id(group), j), table) is table
+                tables_checked.append(j)
+
+    graph.stage = stage_and_check
+    step = opts_g.step
+
+    def step_with_moved_grads(*a, **kw):
+        for p in graphed.parameters():
+            if p.grad is not None:
+                kept.append(p.grad)
+                p.grad = p.grad.clone()
+        return step(*a, **kw)
+
+    opts_g.step = step_with_moved_grads
+    losses_e = train_steps(eager, opts_e, scheds_e, range(1, 5))
+    losses_g = train_steps(graphed, opts_g, scheds_g, range(1, 5))
+    assert losses_e == losses_g and graph.captures == 1 and tables_checked
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled,streams", [(False, 1), (True, 1), ("fused", 1), ("fused", 3)],
-                         ids=["eager", "compiled", "fused", "fused_3_streams"])
+@pytest.mark.parametrize("compiled,streams", [(False, 1), (True, 1), ("fused", 1), ("fused", 3), ("fused", 8)],
+                         ids=["eager", "compiled", "fused", "fused_3_streams", "fused_8_streams"])
 def test_gpu_graphed_container_equals_the_eager_one(compiled, streams):
     """The container with cuda_graph on, against the same run without: a warm-up step, the capture,
     replays through a schedule whose lr changes each step, a parameter without a gradient, a state
@@ -325,7 +451,8 @@ def test_gpu_graphed_container_equals_the_eager_one(compiled, streams):
     (a compile inside the capture would fail it). ``"fused"``: NorMuon's fused kernels, whose
     address tables are built before the capture, for the graph's static gradients; with
     ``streams`` 3 (and CautiousAdamW compiled, as hymo_small runs) the param groups' steps are
-    parallel branches of the graph."""
+    parallel branches of the graph (with 8, more streams than the model has groups: the unused
+    ones must stay out of the capture)."""
     kw = (dict(normuon_fused=True, adamw_compiled=streams > 1) if compiled == "fused"
           else dict(normuon_compiled=compiled, adamw_compiled=compiled))
     eager, graphed = make_model().cuda(), make_model().cuda()
@@ -339,6 +466,9 @@ def test_gpu_graphed_container_equals_the_eager_one(compiled, streams):
     torch._dynamo.reset()
     losses_g = train_steps(graphed, opts_g, scheds_g, range(1, 5))
     assert opts_g.graphed.captures == 1
+    if streams > 1:  # the groups ran on several streams
+        assert len(opts_g.graphed._lanes.used) == min(streams, sum(
+            1 for o in opts_g.optimizers for g in o.param_groups if g["params"]))
     assert graphed.layers["0"].attn.unused_proj.weight.grad is None  # no gradient: zeros in the graph
     torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=1e-5, atol=0)
     assert_params_close(eager, graphed)

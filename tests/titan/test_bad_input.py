@@ -273,6 +273,12 @@ def test_check_counts_the_gathered_parameters_fsdp_keeps(policy, dp, units, accu
         line, _activations = memory_lines(model, {}, config, dp)
         assert f"the CUDA-graphed optimizer step's gradient copy {n * 4 / (1 << 20):.1f} MiB" in line, line
         assert f"{(total + n * 4) / (1 << 20):.1f} MiB in all" in line, line
+        # an optimizer that reads its gradients by address (NorMuon's fused kernels): no copy of them
+        by_address = [p for p in model.parameters() if p.ndim >= 2]
+        rest = n - sum(p.numel() for p in by_address)
+        fused = SimpleNamespace(state={}, grads_by_address=lambda: by_address)
+        line, _activations = memory_lines(model, {"normuon": fused}, config, dp)
+        assert f"the CUDA-graphed optimizer step's gradient copy {rest * 4 / (1 << 20):.1f} MiB" in line, line
 
 
 def test_check_mode_passes_the_750m_config_on_a_cpu_in_little_memory(tmp_path):
