@@ -109,9 +109,9 @@ class GroupStepOptimizer(Optimizer):
 
     def prepare_capture(self) -> None:
         """Right before the capture, with ``p.grad`` the graph's static buffers (or, for
-        ``grads_by_address``, the step's own gradients), and again before each replay: whatever
-        the step would otherwise set up on the device from the host inside the capture (none by
-        default)."""
+        ``grads_by_address``, the step's own gradients), and, for an optimizer with such
+        parameters, again before each replay: whatever the step would otherwise set up on the
+        device from the host inside the capture (none by default)."""
 
     def end_graph(self) -> None:
         """Forget the device scalars (the graph was dropped, e.g. after a checkpoint load)."""

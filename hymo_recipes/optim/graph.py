@@ -171,7 +171,8 @@ class GraphedStep:
     def stage(self) -> None:
         """The step's host half now: the optimizers' scalars for the step about to run
         (``prepare_graph_step``, which advances no counter) and, after the warm-up, this step's
-        gradients copied into the graph's static buffers. The optimizers' container calls it
+        gradients copied into the graph's static buffers, or, for those read by address, the
+        tables pointed at them (``prepare_capture``). The optimizers' container calls it
         before the NaN guard's verdict, so that this host work and its launches run while the
         GPU still works through the backward; a step the guard then skips changes nothing (the
         next stage overwrites both). ``step(staged=True)`` (the warm-up) or ``launch`` runs it."""
@@ -292,24 +293,27 @@ class GraphedStep:
         return out
 
     @contextlib.contextmanager
-    def _grads_as(self, tensors):
-        """``p.grad`` of every parameter set to ``tensors`` (wrapped like p) inside, restored after."""
-        saved = [p.grad for p in self.params]
-        for p, s in zip(self.params, tensors):
-            p.grad = (DTensor.from_local(s, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                         stride=p.stride()) if isinstance(p, DTensor) else s)
+    def _grads_as(self, tensors, only=None):
+        """``p.grad`` of every parameter (``only``: of those indices) set to ``tensors[i]``
+        (wrapped like p) inside, restored after."""
+        idx = range(len(self.params)) if only is None else sorted(only)
+        saved = [(i, self.params[i].grad) for i in idx]
         try:
+            for i in idx:
+                p, s = self.params[i], tensors[i]
+                p.grad = (DTensor.from_local(s, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                             stride=p.stride()) if isinstance(p, DTensor) else s)
             yield
         finally:
-            for p, g in zip(self.params, saved):
-                p.grad = g
+            for i, g in saved:
+                self.params[i].grad = g
 
     def _point_tables(self, grads) -> None:
         """The address tables of the gradients read by address, pointed at this step's (rewritten
         in place where an address changed: the captured graph reads the tables)."""
         if not self._by_address:
             return
-        with self._grads_as(self._graph_grads(grads)):
+        with self._grads_as(self._graph_grads(grads), only=self._by_address):
             for o in self.optimizers:
                 if o.grads_by_address():
                     o.prepare_capture()

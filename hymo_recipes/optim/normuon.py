@@ -278,6 +278,7 @@ class NorMuon(GroupStepOptimizer):
         self._batch_cache: dict[tuple, list[_Batch]] = {}
         # the fused kernels' address tables, by (group, batch, tensor kind): (addresses, table)
         self._tables: dict[tuple, tuple[tuple[int, ...], Tensor]] = {}
+        self._tables_held = False  # a CUDA graph reads the tables (prepare_capture until end_graph)
         self._stats_fn, self._apply_fn = _neuron_stats, _apply_update
         if compiled:
             # dynamic=True: one graph serves every matrix shape (a flavor has 10+ shapes, more
@@ -528,10 +529,11 @@ class NorMuon(GroupStepOptimizer):
 
     def _batch_tables(self, group: dict[str, Any], j: int, b: _Batch, grads, moms, weights, vs) -> list[Tensor]:
         """The address tables of batch j's gradients, momentum buffers, weights and neuron second
-        moments, rebuilt only
-        when an address changed (the gradients may move between steps; under a CUDA graph they
-        are its static buffers, whose tables ``prepare_capture`` builds before the capture: a copy
-        to the device cannot be captured from pageable memory, and none is needed)."""
+        moments, rebuilt only when an address changed (the gradients may move between steps).
+        Under a CUDA graph ``prepare_capture`` builds them before the capture (a copy to the
+        device cannot be captured from pageable memory, and none is needed) and points them at
+        each step's gradients before its replay; once a graph holds them (``prepare_capture``
+        until ``end_graph``) a table is only ever rewritten in place, never replaced."""
         out = []
         for kind, members, (m, k) in (("g", grads, (b.rows, b.cols)), ("m", moms, (b.rows, b.cols)),
                                       ("w", weights, (b.rows, b.cols)), ("v", vs, (1, b.rows))):
@@ -544,21 +546,37 @@ class NorMuon(GroupStepOptimizer):
                 # Same members and dtypes at other addresses (the gradients of a new step): the
                 # table is rewritten in place, so that a captured step reads them through it.
                 same = hit is not None and [d for _, d in hit[0]] == [d for _, d in ptrs]
+                if hit is not None and not same and self._tables_held:
+                    raise RuntimeError(f"NorMuon(fused=True): batch [{b.rows}, {b.cols}]'s {kind} tensors changed "
+                                       "count or dtype under a captured CUDA graph, which reads the tables it "
+                                       "captured: the graph must be dropped first (GraphedStep.reset)")
                 table = normuon_kernels.address_table(members, m, k, members[0].device, out=hit[1] if same else None)
                 hit = self._tables[key] = (ptrs, table)
             out.append(hit[1])
         return out
 
     def grads_by_address(self) -> list[Tensor]:
-        """The fused kernels read every gradient through an address table (``prepare_capture``
-        points it at the step's gradients), so a CUDA graph of the step needs no static copy
-        of them."""
-        return [p for g in self.param_groups for p in g["params"]] if self._fused else []
+        """The fused kernels read the gradients of whole-matrix batches through address tables
+        (``prepare_capture`` points them at the step's gradients), so a CUDA graph of the step
+        needs no static copy of them (row-sharded batches take the PyTorch passes)."""
+        if not self._fused:
+            return []
+        out = []
+        for g in self.param_groups:
+            for b in self._batches(g["params"]):
+                if b.row_group is None:
+                    out += [g["params"][i] for i in b.idxs]
+        return out
+
+    def end_graph(self) -> None:
+        super().end_graph()
+        self._tables_held = False
 
     def prepare_capture(self) -> None:
         """Before a CUDA graph captures the step, and before each replay (``p.grad`` the tensors
         the step is to read): the fused kernels' address tables for them, built outside the
-        capture, rewritten in place when an address changed."""
+        capture, rewritten in place when an address changed (never replaced from here until
+        ``end_graph``: the graph reads the tables it captured)."""
         if not self._fused:
             return
         for group in self.param_groups:
@@ -574,6 +592,7 @@ class NorMuon(GroupStepOptimizer):
                                          f"same-shape matrices; [{b.rows}, {b.cols}] has "
                                          f"{sorted(str(gs[i].dtype) for i in b.idxs)}")
                     self._batch_tables(group, j, b, *_members(b, gs, ms, ws), [vs[i] for i in b.idxs])
+        self._tables_held = True
 
     def _compiled_scalar(self, x: float | Tensor, params: list[Tensor]) -> float | Tensor:
         """lr·s and lr·wd for the compiled maths and the fused kernels (which read them from device

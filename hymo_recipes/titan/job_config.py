@@ -190,7 +190,8 @@ class Optimizer:
     updates without the GPU idling while the host launches the step's thousands of small kernels
     (hymo_recipes/optim/graph.py, BENCHMARKS.md). One CUDA GPU and one rank, HyMo's optimizers
     (not name = "AdamW"), compiled or not; it keeps a copy of the gradients (4 bytes per
-    parameter) and the step's temporaries allocated."""
+    parameter; not of NorMuon's with normuon_fused, read by address) and the step's temporaries
+    allocated."""
     cuda_graph_streams: int = 1
     """With cuda_graph: the CUDA streams the captured step spreads its param groups over, each
     group whole on one stream (the expert matrices' orthogonalisation beside the small

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _tiny import loss_fn, batch, make_model, optim_config, sched_config, train_steps  # noqa: E402
 
+from hymo_kernels.gdn import interpret_bounds  # noqa: E402
 from hymo_recipes.optim.graph import GraphedStep  # noqa: E402
 from hymo_recipes.titan.optimizers import build_hymo_lr_schedulers, build_hymo_optimizers  # noqa: E402
 
@@ -298,6 +299,16 @@ def test_graphed_step_refuses_the_cpu_and_other_optimizers():
         GraphedStep(opts.optimizers, streams=0)
 
 
+def _interpret_fused(monkeypatch):
+    """NorMuon's fused passes (in Triton's interpreter on a CPU), the iteration by its reference:
+    its own kernel (tests/kernels/test_normuon_ns.py) writes no state and is the interpreter's
+    slowest part."""
+    import hymo_kernels.normuon.ns_torch as ns_torch
+    from hymo_recipes.optim import normuon
+
+    monkeypatch.setattr(normuon.ns_kernels, "iterate", ns_torch.iterate)
+
+
 class _ReplayedEagerly(GraphedStep):
     """GraphedStep's own step logic on the CPU: the side stream and the graph are stand-ins that
     run the captured code path eagerly (a replay is the step in graph mode with ``.grad`` at the
@@ -315,10 +326,24 @@ class _ReplayedEagerly(GraphedStep):
 
         class _Graph:
             def replay(self):
-                # what the graph reads: the static buffers, and the step's own gradients where
-                # they are read by address (their tables pointed at them by the stage)
-                with outer._grads_as(outer._graph_grads([p.grad for p in outer.params])):
-                    outer._step_in_graph_mode()
+                # what the graph reads: the static buffers, and where gradients are read by
+                # address only the tables the capture holds (pointed at this step's gradients
+                # by the stage); p.grad is NaN there, so a read that bypasses them shows
+                read = outer._graph_grads([p.grad for p in outer.params])
+                tabled = [read[i] for i in outer._by_address]  # what the tables point at
+                for i in outer._by_address:
+                    read[i] = torch.full_like(read[i], float("nan"))
+                readers = [o for o in outer.optimizers if o.grads_by_address()]
+                for o in readers:
+                    o._batch_tables = (lambda o: lambda group, j, b, *members: [
+                        o._tables[(id(group), j, kind)][1] for kind in "gmwv"])(o)
+                try:
+                    # (the interpreter's bounds check: the kernels reach those through the tables)
+                    with outer._grads_as(read), interpret_bounds.indirect(tabled):
+                        outer._step_in_graph_mode()
+                finally:
+                    for o in readers:
+                        del o._batch_tables
 
         with self._grads_as(self._graph_grads(grads)):
             for o in self.optimizers:
@@ -327,18 +352,23 @@ class _ReplayedEagerly(GraphedStep):
         self.captures += 1
 
 
-@pytest.mark.parametrize("skip", [1, 2, 3, 4, 5, 6, 8])
-def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(skip):
+@pytest.mark.parametrize("skip,fused", [(1, False), (2, False), (3, False), (4, False), (5, False), (6, False),
+                                        (8, False), (4, True)],
+                         ids=["1", "2", "3", "4", "5", "6", "8", "4-normuon_fused"])
+def test_graphed_container_with_a_skipped_step_equals_the_eager_one_on_the_cpu(skip, fused, monkeypatch):
     """The container's graphed step (stand-ins for the stream and the graph) against the eager
     container, with a NaN gradient that the guard skips at one step: the first warm-up (1), the
     first capture (2), a replay (3), the warm-up after a state load (5) or the capture after it
     (6), a replay whose verdict the state load reads (4) or the last step (8). The graph's stage
     runs before the guard's decision and, after the warm-up, its replay too, whose state writes
     follow the guard's device flag, so a skip must leave nothing behind: the same parameters
-    bit for bit, the same step counts and schedule, two captures."""
+    bit for bit, the same step counts and schedule, two captures. ``fused``: NorMuon's fused
+    kernels (interpreted), whose gradients the graph reads by address, through a state load."""
+    if fused:
+        _interpret_fused(monkeypatch)
     eager, graphed = make_model(), make_model()
-    opts_e, scheds_e = build(eager)
-    opts_g, scheds_g = build(graphed)
+    opts_e, scheds_e = build(eager, normuon_fused=fused)
+    opts_g, scheds_g = build(graphed, normuon_fused=fused)
     opts_g.graphed = _ReplayedEagerly(opts_g.optimizers)
     launches = []
     launch = opts_g.graphed.launch
@@ -384,14 +414,7 @@ def test_fused_normuon_gradients_are_read_by_address_without_a_copy(monkeypatch)
     rewriting the captured table tensors in place when the gradients moved (forced here: every
     step's gradients are fresh copies while the old ones are still alive). CautiousAdamW's
     gradients keep their copy. The updates equal the eager fused container's bit for bit."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import hymo_kernels.normuon.fused as fused_kernels
-    import hymo_kernels.normuon.ns as ns_kernels
-    import hymo_kernels.normuon.ns_torch as ns_torch
-    from hymo_recipes.optim._dist import local
-
-    monkeypatch.setattr(fused_kernels, "_INTERPRET", True)
-    monkeypatch.setattr(ns_kernels, "iterate", ns_torch.iterate)  # the iteration's own tests run the kernel
+    _interpret_fused(monkeypatch)
     eager, graphed = make_model(), make_model()
     opts_e, scheds_e = build(eager, normuon_fused=True)
     opts_g, scheds_g = build(graphed, normuon_fused=True)
@@ -439,6 +462,25 @@ def test_fused_normuon_gradients_are_read_by_address_without_a_copy(monkeypatch)
         assert torch.equal(p, q), name
 
 
+def test_held_tables_are_rewritten_never_replaced():
+    """Once a graph holds NorMuon's tables (prepare_capture until end_graph), gradients of
+    another dtype would need new tables the graph does not read: refused in one line; after
+    end_graph (the graph dropped) they are rebuilt."""
+    model = make_model()
+    opts, _ = build(model, normuon_fused=True)
+    normuon = opts.optimizers[0]
+    loss_fn(model, batch(1)).backward()
+    normuon.prepare_capture()
+    for p in normuon.grads_by_address():
+        p.grad_dtype = None  # (a gradient of another dtype than its parameter's)
+        p.grad = (torch.zeros_like(p) if p.grad is None else p.grad).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"changed count or dtype under a captured CUDA graph"):
+        normuon.prepare_capture()
+    normuon.end_graph()
+    normuon.prepare_capture()
+    assert {k[2] for k in normuon._tables} == {"g", "m", "w", "v"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled,streams", [(False, 1), (True, 1), ("fused", 1), ("fused", 3), ("fused", 8)],
                          ids=["eager", "compiled", "fused", "fused_3_streams", "fused_8_streams"])
@@ -449,7 +491,8 @@ def test_gpu_graphed_container_equals_the_eager_one(compiled, streams):
     after its gradients were staged into the graph's buffers (the next step stages its own). ``compiled``: both
     optimizers' maths under torch.compile, compiled in the warm-up for the graph's device scalars
     (a compile inside the capture would fail it). ``"fused"``: NorMuon's fused kernels, whose
-    address tables are built before the capture, for the graph's static gradients; with
+    address tables are built before the capture and pointed at each step's gradients (read by
+    address: no static copy of them); with
     ``streams`` 3 (and CautiousAdamW compiled, as hymo_small runs) the param groups' steps are
     parallel branches of the graph (with 8, more streams than the model has groups: the unused
     ones must stay out of the capture)."""
