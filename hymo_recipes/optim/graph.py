@@ -137,7 +137,8 @@ class GraphedStep:
         self._lanes = None
         # the parameters (indices into params) whose gradients the step reads by address: no
         # static copy for them; a zero gradient kept for those without one
-        by_address = {id(p) for o in self.optimizers for p in o.grads_by_address()}
+        self._address_readers = [o for o in self.optimizers if o.grads_by_address()]
+        by_address = {id(p) for o in self._address_readers for p in o.grads_by_address()}
         self._by_address = {i for i, p in enumerate(self.params) if id(p) in by_address}
         self._zeros: dict[int, torch.Tensor] = {}
         self.captures = 0  # how many times a graph was captured (a test reads it)
@@ -314,9 +315,8 @@ class GraphedStep:
         if not self._by_address:
             return
         with self._grads_as(self._graph_grads(grads), only=self._by_address):
-            for o in self.optimizers:
-                if o.grads_by_address():
-                    o.prepare_capture()
+            for o in self._address_readers:
+                o.prepare_capture()
 
     def _capture(self, grads) -> None:
         # the optimizers read p.grad while they are captured: the static buffers, or for those
