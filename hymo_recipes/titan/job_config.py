@@ -197,7 +197,9 @@ class Optimizer:
     group whole on one stream (the expert matrices' orthogonalisation beside the small
     matrices' and the element-wise passes; hymo_recipes/optim/graph.py); the kernels are those
     of one stream. It costs memory: the groups running together hold their temporaries
-    together, each stream in its own blocks. 1: one after the other."""
+    together, each stream in its own blocks. 1: one after the other. Without cuda_graph it has no
+    effect (the eager step runs on the current stream), so a config that sets it still runs with
+    --optimizer.no-cuda_graph."""
 
     embed_weight_decay: float = 0.0
     """Weight decay of the (tied) token embedding, separate from optimizer.weight_decay."""
