@@ -122,8 +122,8 @@ def test_optimizer_cuda_graph_is_checked_before_the_trainer(monkeypatch):
     preflight.check_optimizer_graph(types.SimpleNamespace(**{**vars(ok), "cuda_graph_streams": 3}), installed=False)
     with pytest.raises(SystemExit, match=r"cuda_graph_streams must be an integer >= 1 .*got 0"):
         parse_config(DEBUG + ["--optimizer.cuda_graph_streams", "0"])
-    # without the graph the streams have nothing to spread: a config that sets them (hymo_small's)
-    # still runs with --optimizer.no-cuda_graph
+    # without the graph the streams have nothing to spread: a config that sets them (as
+    # hymo_small.toml does) still runs with --optimizer.no-cuda_graph
     assert parse_config(DEBUG + ["--optimizer.cuda_graph_streams", "2"]).optimizer.cuda_graph_streams == 2
     with pytest.raises(SystemExit, match=r"cuda_graph_streams must be an integer >= 1 .*got 0"):
         parse_config(DEBUG + ["--optimizer.no-cuda_graph", "--optimizer.cuda_graph_streams", "0"])
